@@ -1,0 +1,58 @@
+"""Acceptance accounting with vLLM's definitions.
+
+acceptance rate          = accepted tokens / drafted tokens
+mean acceptance length   = 1 + accepted tokens / drafts   (tokens emitted per verify step)
+per-position acceptance  = accepted at position i / drafts that reached position i
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verification: `drafted` proposals, the first `accepted` of them accepted."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted {accepted} must lie in [0, drafted={drafted}]")
+        if drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+            if len(counts) < drafted:
+                counts.extend([0] * (drafted - len(counts)))
+            for pos in range(upto):
+                counts[pos] += 1
+
+    def merge(self, other: "AcceptanceStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for mine, theirs in (
+            (self.drafted_per_position, other.drafted_per_position),
+            (self.accepted_per_position, other.accepted_per_position),
+        ):
+            if len(mine) < len(theirs):
+                mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def per_position_rate(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]

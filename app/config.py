@@ -1,0 +1,144 @@
+"""Typed configuration: every knob of specserve, validated by pydantic, loadable from YAML.
+
+`AppConfig` is the one object `deployments.builder.build_app(args)` accepts, so a Serve
+config file's `args:` block is exactly an `AppConfig` in YAML.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+ProposerKind = Literal["draft_model", "ngram"]
+SpeculationMode = Literal["auto", "on", "off"]
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(StrictModel):
+    """Where a model comes from and how it is placed."""
+
+    path: str = Field(description="local directory (relative paths are resolved against the project root) or hub id")
+    dtype: Dtype = "float32"
+    device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:N'")
+    max_context: int | None = Field(None, ge=16, description="defaults to the model's max_position_embeddings")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads for this process")
+
+    def resolved_path(self) -> str:
+        """Local directories relative to the project root; anything else is a hub id."""
+        local = Path(self.path)
+        if not local.is_absolute():
+            local = PROJECT_ROOT / local
+        return str(local) if local.exists() else self.path
+
+
+class SpeculationConfig(StrictModel):
+    proposer: ProposerKind = "draft_model"
+    num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    max_speculative_tokens: int = Field(8, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculationConfig":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} > ngram_max {self.ngram_max}")
+        if self.num_speculative_tokens > self.max_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens {self.num_speculative_tokens} > max_speculative_tokens "
+                f"{self.max_speculative_tokens}"
+            )
+        return self
+
+
+class SamplingParams(StrictModel):
+    """Per-request sampling. temperature 0 means greedy."""
+
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_tokens: int = Field(64, ge=1, le=1_000_000)
+    stop: tuple[str, ...] = ()
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class EngineLimits(StrictModel):
+    """Memory bounds of one target (or draft) replica."""
+
+    max_num_seqs: int = Field(32, ge=1, description="sequences decoding at once")
+    max_cached_tokens: int = Field(65536, ge=16, description="KV tokens held across all sequences")
+    max_queue: int = Field(64, ge=0, description="requests waiting for a slot; beyond it: 429")
+    request_timeout_s: float = Field(120.0, gt=0, description="deadline of one request end to end")
+
+
+class EngineConfig(StrictModel):
+    """What one in-process engine needs: a target, optionally a draft, and speculation settings."""
+
+    target: ModelSpec
+    draft: ModelSpec | None = None
+    speculation: SpeculationConfig = SpeculationConfig()
+    limits: EngineLimits = EngineLimits()
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.speculation.proposer == "draft_model" and self.draft is None:
+            raise ValueError("speculation.proposer is 'draft_model' but no draft model is configured: add `draft:` or use proposer: ngram")
+        return self
+
+
+class DeploymentOptions(StrictModel):
+    """The Serve knobs of one deployment; passed to `.options()` by the builder."""
+
+    num_replicas: int | None = Field(1, ge=1)
+    autoscaling_config: dict[str, float | int | str] | None = None
+    max_ongoing_requests: int = Field(64, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeploymentOptions":
+        if self.autoscaling_config is not None and self.num_replicas not in (None, 1):
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        return self
+
+
+class AppConfig(StrictModel):
+    """The whole Serve application: `build_app(args)` validates `args` as this."""
+
+    model_name: str = Field("specserve-embedded", description="name clients pass as `model`")
+    engine: EngineConfig
+    target_deployment: DeploymentOptions = DeploymentOptions()
+    draft_deployment: DeploymentOptions = DeploymentOptions()
+    router_deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=256)
+
+
+def load_yaml(path: str | Path) -> dict:
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def load_engine_config(path: str | Path) -> EngineConfig:
+    """An EngineConfig from YAML: either the engine mapping itself, an AppConfig, or a Serve config."""
+    data = load_yaml(path)
+    if "applications" in data:  # a Serve config: take the first application's args
+        data = data["applications"][0]["args"]
+    if "engine" in data:
+        return AppConfig.model_validate(data).engine
+    return EngineConfig.model_validate(data)

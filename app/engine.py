@@ -1,0 +1,287 @@
+"""The batched speculative engine: continuous batching where some sequences verify k+1
+tokens and others decode one, all in one target forward per step.
+
+Per step:
+  1. admit waiting requests while the KV budget allows; prefill each (emits its first token)
+  2. choose k per running sequence (0 = plain decoding; the policy may move it every step)
+  3. one batched `proposer.propose()` for every speculating sequence
+  4. one batched target forward: input per sequence = [last token] + its proposals
+  5. verify (greedy or rejection sampling), roll each KV cache back to what was accepted,
+     emit tokens, stop on EOS / max_tokens / stop strings
+
+A sequence's truth is its token ids; its target KV holds all of them but the last
+(the last emitted token is fed at the next step). Synchronous and Ray-free: the Serve
+target deployment drives `step()` from its own loop.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from app.acceptance import AcceptanceStats
+from app.config import EngineLimits, SamplingParams
+from app.detokenizer import StopChecker
+from app.kv_cache import SequenceKV
+from app.model_runner import ContextOverflow, ModelRunner
+from app.proposers.base import Proposal, ProposalRequest, Proposer
+from app.sampling import next_token
+from app.verification import verify_greedy, verify_sampled
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full: the caller should answer 429 with Retry-After."""
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    k: int  # the router's speculation depth for this request; 0 = plain decoding
+    stop: StopChecker
+    kv: SequenceKV = field(default_factory=SequenceKV)
+    output_ids: list[int] = field(default_factory=list)
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    finish_reason: FinishReason | None = None
+    step_k: int = 0  # the depth used at the last step (adaptive k may move it)
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_tokens - len(self.output_ids)
+
+    def reserved_tokens(self) -> int:
+        """KV tokens this sequence may come to hold (admission reserves it all up front)."""
+        return len(self.prompt_ids) + self.sampling.max_tokens
+
+
+@dataclass
+class SeqUpdate:
+    """What one step produced for one sequence."""
+
+    seq_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    drafted: int = 0
+    accepted: int = 0
+    k: int = 0
+
+
+@dataclass
+class StepTimes:
+    """Wall time of the last step's phases, for the cost model and metrics (seconds)."""
+
+    prefill: float = 0.0
+    draft: float = 0.0
+    target: float = 0.0  # decode or verify forward
+    batch_size: int = 0
+    tokens_in_pass: int = 0
+    num_speculating: int = 0
+
+
+# (sequence, batch size) -> k for this step; lets the policy adapt k as acceptance and load move
+StepKChooser = Callable[[Sequence, int], int]
+
+
+class SpecEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        proposer: Proposer | None,
+        limits: EngineLimits = EngineLimits(),
+        max_k: int = 8,
+        choose_k: StepKChooser | None = None,
+    ) -> None:
+        self.runner = runner
+        self.proposer = proposer
+        self.limits = limits
+        self.max_k = max_k
+        self.choose_k = choose_k
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.stats = AcceptanceStats()
+        self.last_times = StepTimes()
+        self.proposer_errors = 0
+
+    # ---- admission -------------------------------------------------------------------
+    def add(
+        self,
+        seq_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        k: int = 0,
+    ) -> None:
+        """Queue a request; raises ValueError for bad input and Overloaded when the queue is full."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if seq_id in self.running or any(s.seq_id == seq_id for s in self.waiting):
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        need = len(prompt_ids) + sampling.max_tokens
+        if need > self.runner.max_context:
+            raise ContextOverflow(need, self.runner.max_context)
+        if need > self.limits.max_cached_tokens:
+            raise ValueError(
+                f"prompt + max_tokens = {need} tokens exceeds this replica's KV budget "
+                f"({self.limits.max_cached_tokens}); lower max_tokens"
+            )
+        if len(self.waiting) >= self.limits.max_queue and not self._fits(need):
+            raise Overloaded(f"{len(self.waiting)} requests already waiting")
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        k = min(k, self.max_k) if self.proposer is not None else 0
+        stop = StopChecker(self.runner.tokenizer, sampling.stop)
+        self.waiting.append(Sequence(seq_id, list(prompt_ids), sampling, seed, k, stop))
+
+    def abort(self, seq_id: str) -> bool:
+        """Drop a sequence wherever it is and free its caches on both sides."""
+        seq = self.running.pop(seq_id, None)
+        if seq is None:
+            for s in self.waiting:
+                if s.seq_id == seq_id:
+                    self.waiting.remove(s)
+                    return True
+            return False
+        self._release(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def cached_tokens(self) -> int:
+        return sum(s.kv.length for s in self.running.values())
+
+    def reserved_tokens(self) -> int:
+        return sum(s.reserved_tokens() for s in self.running.values())
+
+    def _fits(self, need: int) -> bool:
+        return (
+            len(self.running) < self.limits.max_num_seqs
+            and self.reserved_tokens() + need <= self.limits.max_cached_tokens
+        )
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[SeqUpdate]:
+        updates: list[SeqUpdate] = []
+        times = StepTimes()
+        t0 = time.perf_counter()
+        # Running sequences step first; newcomers are prefilled after and join next step.
+        batch = list(self.running.values())
+        if batch:
+            updates += self._decode_step(batch, times)
+        while self.waiting and self._fits(self.waiting[0].reserved_tokens()):
+            seq = self.waiting.popleft()
+            self.running[seq.seq_id] = seq
+            updates.append(self._prefill(seq))
+        times.prefill = time.perf_counter() - t0 - times.draft - times.target
+        self.last_times = times
+        return updates
+
+    def _prefill(self, seq: Sequence) -> SeqUpdate:
+        """Fill the target KV with the prompt and emit the first token."""
+        logits = self.runner.forward([seq.kv], [seq.prompt_ids])[0]  # [prompt_len, vocab]
+        token = next_token(logits[-1], seq.sampling, seq.seed, len(seq.prompt_ids))
+        return self._emit(seq, [token], drafted=0, accepted=0)
+
+    def _decode_step(self, batch: list[Sequence], times: StepTimes) -> list[SeqUpdate]:
+        step_k: dict[str, int] = {}
+        for seq in batch:
+            if seq.kv.length != len(seq.token_ids) - 1:
+                # the cache does not hold the truth (e.g. evicted): rebuild it by prefill
+                seq.kv = SequenceKV()
+                self.runner.forward([seq.kv], [seq.token_ids[:-1]])
+            want = seq.k  # the router's decision; 0 = this request never speculates
+            if want > 0 and self.choose_k is not None:
+                want = min(self.choose_k(seq, len(batch)), self.max_k)  # may pause at 0
+            # no proposals past max_tokens (the target adds one) or past the context
+            room = min(seq.remaining - 1, self.runner.max_context - len(seq.token_ids) - 1)
+            step_k[seq.seq_id] = seq.step_k = max(0, min(want, room))
+        proposals = self._propose([s for s in batch if step_k[s.seq_id] > 0], step_k, times)
+        inputs = [[s.token_ids[-1]] + proposals.get(s.seq_id, Proposal([])).tokens for s in batch]
+        t0 = time.perf_counter()
+        logits = self.runner.forward([s.kv for s in batch], inputs)  # each [1 + k_i, vocab]
+        times.target = time.perf_counter() - t0
+        times.batch_size = len(batch)
+        times.tokens_in_pass = sum(len(x) for x in inputs)
+        updates = []
+        for seq, rows in zip(batch, logits):
+            proposal = proposals.get(seq.seq_id, Proposal([]))
+            before = len(seq.token_ids) - 1  # KV length before this step's inputs
+            if proposal.tokens:
+                if seq.sampling.greedy:
+                    result = verify_greedy(proposal.tokens, rows)
+                else:
+                    result = verify_sampled(
+                        proposal.tokens, proposal.probs, rows, seq.sampling, seq.seed, len(seq.token_ids)
+                    )
+                tokens, accepted = result.tokens, result.num_accepted
+                seq.kv.crop(before + 1 + accepted)
+                if self.proposer is not None:
+                    self.proposer.observe(seq.seq_id, accepted)
+            else:
+                tokens, accepted = [next_token(rows[-1], seq.sampling, seq.seed, len(seq.token_ids))], 0
+            updates.append(self._emit(seq, tokens, drafted=len(proposal.tokens), accepted=accepted))
+        return updates
+
+    def _propose(self, seqs: list[Sequence], step_k: dict[str, int], times: StepTimes) -> dict[str, Proposal]:
+        if not seqs or self.proposer is None:
+            return {}
+        requests = [ProposalRequest(s.seq_id, s.token_ids, step_k[s.seq_id], s.sampling, s.seed) for s in seqs]
+        t0 = time.perf_counter()
+        try:
+            proposals = self.proposer.propose(requests)
+        except ProposerUnavailable:
+            # a lost draft replica only costs speed: decode plainly this step
+            self.proposer_errors += 1
+            proposals = [Proposal([]) for _ in requests]
+        times.draft = time.perf_counter() - t0
+        times.num_speculating = len(seqs)
+        return {s.seq_id: p for s, p in zip(seqs, proposals)}
+
+    def _emit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> SeqUpdate:
+        """Append verified tokens, stopping at EOS, max_tokens or a stop string."""
+        seq.stats.record(drafted, accepted)
+        self.stats.record(drafted, accepted)
+        kept: list[int] = []
+        text = ""
+        stopped_on_text = False
+        for token in tokens:
+            if token in self.runner.eos_ids and not seq.sampling.ignore_eos:
+                seq.finish_reason = "stop"
+                break
+            update = seq.stop.add([token])
+            kept.append(token)
+            seq.output_ids.append(token)
+            text += update.delta
+            if update.stopped:
+                seq.finish_reason = "stop"
+                stopped_on_text = True
+                break
+            if seq.remaining <= 0:
+                seq.finish_reason = "length"
+                break
+        if seq.finish_reason is not None:
+            if not stopped_on_text:  # held-back text can no longer become a stop string
+                text += seq.stop.flush()
+            self.running.pop(seq.seq_id, None)
+            self._release(seq)
+        return SeqUpdate(seq.seq_id, kept, text, seq.finish_reason, drafted, accepted, seq.step_k)
+
+    def _release(self, seq: Sequence) -> None:
+        seq.kv = SequenceKV()
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
+
+
+class ProposerUnavailable(RuntimeError):
+    """Raised by a remote proposer whose draft replica is gone; the engine decodes plainly."""
