@@ -1,0 +1,46 @@
+"""The speculation policy: pure (Ray-free) cost model, live trackers and the decision.
+
+The router calls `SpeculationPolicy.decide` per request; the target engine calls
+`choose_step_k` per sequence per step and feeds `observe_*` back from what it measures.
+"""
+
+from .cost_model import (
+    CostCurve,
+    StepCosts,
+    StepCostsConfig,
+    best_k,
+    best_spec_k,
+    expected_tokens_per_step,
+    speedup,
+)
+from .decision import (
+    LoadSnapshot,
+    PolicyConfig,
+    PolicyRequest,
+    Reason,
+    SpeculationDecision,
+    SpeculationPolicy,
+    choose_step_k,
+)
+from .trackers import AcceptanceTracker, LengthPredictor, PromptClass, classify_prompt
+
+__all__ = [
+    "AcceptanceTracker",
+    "CostCurve",
+    "LengthPredictor",
+    "LoadSnapshot",
+    "PolicyConfig",
+    "PolicyRequest",
+    "PromptClass",
+    "Reason",
+    "SpeculationDecision",
+    "SpeculationPolicy",
+    "StepCosts",
+    "StepCostsConfig",
+    "best_k",
+    "best_spec_k",
+    "choose_step_k",
+    "classify_prompt",
+    "expected_tokens_per_step",
+    "speedup",
+]

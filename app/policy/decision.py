@@ -1,0 +1,262 @@
+"""The per-request speculation decision and the per-step choice of k.
+
+`SpeculationPolicy.decide` runs on the router for every request; `choose_step_k` runs in the
+target engine for every speculating sequence at every step, from the same cost model with
+fresher numbers. Both are pure: inputs are pydantic snapshots, outputs are plain values.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .cost_model import StepCosts, best_k, best_spec_k, speedup
+from .trackers import AcceptanceTracker, LengthPredictor
+
+Reason = Literal[
+    "forced_on",  # request said speculation: "on" or gave num_speculative_tokens
+    "forced_off",  # request said speculation: "off" (or num_speculative_tokens 0)
+    "low_load_long_output",  # the cost model says speculating pays
+    "high_load",  # it would pay at batch 1; the current batch makes verify compute-bound
+    "short_output",  # too few expected output tokens to be worth it
+    "low_acceptance",  # even at batch 1 the class's acceptance does not pay for the draft
+    "prefill_cost",  # would pay per step, but the draft's prompt prefill is not amortised over L
+    "no_draft",  # no draft replica answers
+    "stale_load",  # load figures too old to trust; plain is the safe side
+    "exploration",  # an 'off' turned on at small k so α stays measured
+]
+
+_OFF_EXPLORABLE: frozenset[str] = frozenset({"high_load", "low_acceptance", "prefill_cost"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoadSnapshot(_Strict):
+    """What the router knows about a target replica (and its draft) when a request arrives.
+
+    The optional step times are recent means the replica measured; `policy.ingest(load)` feeds
+    them into the cost model once per (replica, seq) so a snapshot reused for many decisions is
+    not counted many times.
+    """
+
+    running_sequences: int = Field(0, ge=0)
+    queue_length: int = Field(0, ge=0)
+    max_num_seqs: int = Field(32, ge=1)
+    draft_running_sequences: int = Field(0, ge=0, description="sequences in the draft's batch, all targets")
+    draft_available: bool = True
+    age_s: float = Field(0.0, ge=0, description="seconds since the replica published it")
+    replica: str = ""
+    seq: int = Field(0, ge=0, description="publication counter of the replica; 0: unnumbered, ingested every time")
+    decode_step_s: float | None = Field(None, gt=0)
+    decode_tokens: int | None = Field(None, ge=1, description="tokens in the pass decode_step_s was measured at")
+    verify_step_s: float | None = Field(None, gt=0)
+    verify_tokens: int | None = Field(None, ge=1)
+    draft_step_s: float | None = Field(None, gt=0)
+    draft_batch: int | None = Field(None, ge=1)
+    exchange_s: float | None = Field(None, ge=0)
+
+    @property
+    def batch_after_admission(self) -> int:
+        # A batch never exceeds max_num_seqs: beyond it requests wait in the queue, and the step
+        # cost is that of a full batch.
+        return min(self.running_sequences + self.queue_length + 1, self.max_num_seqs)
+
+
+class PolicyRequest(_Strict):
+    mode: Literal["auto", "on", "off"] = "auto"
+    requested_k: int | None = Field(None, ge=0)
+    max_tokens: int = Field(..., ge=1)
+    prompt_tokens: int = Field(0, ge=0)
+    prompt_class: str = "prose"
+    has_stop: bool = Field(True, description="can end before max_tokens (EOS not ignored, or stop strings)")
+
+
+class SpeculationDecision(_Strict):
+    speculate: bool
+    k: int = Field(..., ge=0)
+    reason: Reason
+    expected_speedup: float = Field(1.0, description="of the chosen action over plain decoding")
+    alpha: float | None = None
+    expected_output_tokens: int | None = None
+    batch_size: int | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpeculationDecision":
+        if self.speculate != (self.k > 0):
+            raise ValueError(f"speculate={self.speculate} with k={self.k}")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form for `usage.speculation` and logs."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class PolicyConfig(_Strict):
+    margin: float = Field(1.05, ge=1.0, description="predicted speedup needed to speculate")
+    min_output_tokens: int = Field(16, ge=1)
+    exploration_share: float = Field(0.05, ge=0.0, le=1.0)
+    exploration_k: int = Field(2, ge=1)
+    max_k: int = Field(8, ge=1, le=64)
+    default_k: int = Field(4, ge=1, description="k for speculation 'on' without num_speculative_tokens")
+    overlap: bool = Field(False, description="draft runs on its own device, overlapped with verify")
+    stale_after_s: float = Field(10.0, gt=0)
+    seed: int = 0
+    prior_alpha: float = Field(0.6, ge=0.0, le=1.0)
+    acceptance_half_life_tokens: float = Field(512.0, gt=0)
+    length_window: int = Field(256, ge=1)
+    length_quantile: float = Field(0.9, gt=0.0, lt=1.0)
+    length_min_samples: int = Field(8, ge=1)
+
+
+class SpeculationPolicy:
+    """Holds the live statistics and the cost model; decides per request and per step."""
+
+    def __init__(
+        self,
+        config: PolicyConfig | None = None,
+        *,
+        costs: StepCosts | None = None,
+        acceptance: AcceptanceTracker | None = None,
+        lengths: LengthPredictor | None = None,
+    ) -> None:
+        c = config or PolicyConfig()
+        self.config = c
+        self.costs = costs or StepCosts()
+        self.acceptance = acceptance or AcceptanceTracker(
+            prior_alpha=c.prior_alpha, half_life_tokens=c.acceptance_half_life_tokens, max_positions=c.max_k
+        )
+        self.lengths = lengths or LengthPredictor(
+            window=c.length_window, quantile=c.length_quantile, min_samples=c.length_min_samples
+        )
+        self._rng = random.Random(c.seed)  # seeded: exploration is reproducible in tests
+        self._seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # -- feeding -------------------------------------------------------------------------------
+    def ingest(self, load: LoadSnapshot) -> None:
+        """Take a replica's measured step times into the cost model, once per publication."""
+        with self._lock:
+            if load.seq and self._seen.get(load.replica) == load.seq:
+                return
+            self._seen[load.replica] = load.seq
+        if load.decode_step_s is not None and load.decode_tokens is not None:
+            self.costs.observe_target(load.decode_tokens, load.decode_step_s)
+        if load.verify_step_s is not None and load.verify_tokens is not None:
+            self.costs.observe_target(load.verify_tokens, load.verify_step_s)
+        if load.draft_step_s is not None and load.draft_batch is not None:
+            self.costs.observe_draft(load.draft_batch, load.draft_step_s)
+        if load.exchange_s is not None:
+            self.costs.observe_exchange(load.exchange_s)
+
+    def observe_verification(self, prompt_class: str, num_drafted: int, num_accepted: int,
+                             accepted_per_position: list[bool] | None = None) -> None:
+        self.acceptance.observe(prompt_class, num_drafted, num_accepted, accepted_per_position)
+
+    def observe_finished(self, prompt_class: str, num_output_tokens: int, finished_by: Literal["stop", "length"]) -> None:
+        self.lengths.observe(prompt_class, num_output_tokens, finished_by)
+
+    # -- the decision --------------------------------------------------------------------------
+    def decide(self, request: PolicyRequest, load: LoadSnapshot) -> SpeculationDecision:
+        c = self.config
+        b = load.batch_after_admission
+        # Overrides always win, before any statistics are consulted.
+        if request.mode == "off" or (request.mode == "auto" and request.requested_k == 0):
+            return SpeculationDecision(speculate=False, k=0, reason="forced_off", batch_size=b)
+        if request.mode == "on" or request.requested_k is not None:
+            # 'on' without a k (or with k=0, which cannot mean "speculate") uses default_k.
+            k = min(request.requested_k or c.default_k, c.max_k)
+            alpha = self.acceptance.alpha(request.prompt_class)
+            s = speedup(alpha, k, b, self.costs, c.overlap, draft_batch=self._draft_batch(load, b))
+            return SpeculationDecision(speculate=True, k=k, reason="forced_on", expected_speedup=s, alpha=alpha, batch_size=b)
+
+        if load.age_s > c.stale_after_s:
+            return SpeculationDecision(speculate=False, k=0, reason="stale_load", batch_size=b)
+        if not load.draft_available:
+            return SpeculationDecision(speculate=False, k=0, reason="no_draft", batch_size=b)
+
+        # A request that cannot stop early runs to max_tokens; otherwise cap by what this class
+        # of request has actually produced lately.
+        L = self.lengths.expected_length(request.prompt_class, request.max_tokens) if request.has_stop else request.max_tokens
+        alpha = self.acceptance.alpha(request.prompt_class)
+        common = dict(alpha=alpha, expected_output_tokens=L, batch_size=b)
+        if L < c.min_output_tokens:
+            return SpeculationDecision(speculate=False, k=0, reason="short_output", **common)
+
+        max_k = min(c.max_k, L - 1)  # drafting past the end of the output is pure waste
+        pos = self.acceptance.per_position(request.prompt_class, max_k)
+        kw = dict(overlap=c.overlap, per_position=pos)
+        k, s = best_k(alpha, b, self.costs, max_k, margin=c.margin, prompt_tokens=request.prompt_tokens,
+                      output_tokens=L, draft_batch=self._draft_batch(load, b), **kw)
+        if k > 0:
+            return SpeculationDecision(speculate=True, k=k, reason="low_load_long_output", expected_speedup=s, **common)
+
+        # Why not: would it have paid on an empty replica (load), or with the prompt prefill free
+        # (length), or not at all (acceptance too low for this draft's cost)?
+        _, s_idle = best_spec_k(alpha, 1, self.costs, max_k, prompt_tokens=request.prompt_tokens, output_tokens=L, **kw)
+        _, s_free = best_spec_k(alpha, 1, self.costs, max_k, **kw)
+        reason: Reason = "high_load" if s_idle > c.margin else ("prefill_cost" if s_free > c.margin else "low_acceptance")
+        return self._maybe_explore(SpeculationDecision(speculate=False, k=0, reason=reason, **common))
+
+    def _draft_batch(self, load: LoadSnapshot, b: int) -> int:
+        # The draft may serve other targets too: its batch is at least ours, maybe more.
+        return max(b, load.draft_running_sequences + 1)
+
+    def _maybe_explore(self, d: SpeculationDecision) -> SpeculationDecision:
+        """Turn a small share of 'off' decisions into shallow speculation, so α keeps being
+        measured when the policy mostly says off (otherwise a class judged low-acceptance once
+        would never be re-measured). The engine must keep k >= 1 for these (choose_step_k's
+        min_k), or the sample is lost."""
+        if d.reason not in _OFF_EXPLORABLE or self.config.exploration_share <= 0:
+            return d
+        with self._lock:
+            draw = self._rng.random()
+        if draw >= self.config.exploration_share:
+            return d
+        k = min(self.config.exploration_k, self.config.max_k)
+        return d.model_copy(update={"speculate": True, "k": k, "reason": "exploration"})
+
+    # -- per step, in the engine ---------------------------------------------------------------
+    def choose_step_k(
+        self,
+        seq_alpha: float,
+        batch_size: int,
+        max_k: int | None = None,
+        *,
+        per_position: list[float] | None = None,
+        remaining_tokens: int | None = None,
+        min_k: int = 0,
+        draft_batch: int | None = None,
+    ) -> int:
+        """k for one sequence's next step: the cost-model optimum at the live batch, 0 when plain
+        is better. No prefill term: the draft's prompt is already paid for."""
+        return choose_step_k(seq_alpha, batch_size, self.config.max_k if max_k is None else max_k, self.costs,
+                             margin=self.config.margin, overlap=self.config.overlap, per_position=per_position,
+                             remaining_tokens=remaining_tokens, min_k=min_k, draft_batch=draft_batch)
+
+
+def choose_step_k(
+    seq_alpha: float,
+    batch_size: int,
+    max_k: int,
+    costs: StepCosts | None = None,
+    *,
+    margin: float = 1.0,
+    overlap: bool = False,
+    per_position: list[float] | None = None,
+    remaining_tokens: int | None = None,
+    min_k: int = 0,
+    draft_batch: int | None = None,
+) -> int:
+    """Adaptive k for one sequence at one step, from the same cost model as the router."""
+    if remaining_tokens is not None:
+        max_k = min(max_k, remaining_tokens - 1)  # the bonus token covers the last position
+    if max_k <= 0:
+        return 0
+    k, _ = best_k(seq_alpha, batch_size, costs or StepCosts(), max_k, margin=margin, overlap=overlap,
+                  per_position=per_position, draft_batch=draft_batch)
+    return max(k, min(min_k, max_k))

@@ -1,0 +1,89 @@
+"""Cost model: E(k), the step-time curves and their live updates, speedup and best k."""
+
+import math
+
+import pytest
+
+from app.policy import StepCosts, StepCostsConfig, best_k, expected_tokens_per_step, speedup
+from app.policy.cost_model import CostCurve
+
+
+@pytest.mark.parametrize(
+    "alpha,k,expected",
+    [(0.5, 3, (1 - 0.5**4) / 0.5), (0.8, 4, (1 - 0.8**5) / 0.2), (0.0, 5, 1.0), (1.0, 5, 6.0), (0.7, 0, 1.0)],
+)
+def test_expected_tokens_closed_form(alpha, k, expected):
+    assert expected_tokens_per_step(alpha, k) == pytest.approx(expected)
+
+
+def test_expected_tokens_limit_near_one_is_stable():
+    assert expected_tokens_per_step(1 - 1e-12, 7) == pytest.approx(8.0)
+
+
+def test_expected_tokens_per_position():
+    # 1 + 1 + 1*0.5 + 1*0.5*0.5
+    assert expected_tokens_per_step(0.9, 3, [1.0, 0.5, 0.5]) == pytest.approx(2.75)
+    # positions past the list fall back to alpha; a uniform list equals the closed form
+    assert expected_tokens_per_step(0.6, 4, [0.6, 0.6]) == pytest.approx((1 - 0.6**5) / 0.4)
+    assert expected_tokens_per_step(0.9, 3, [0.0, 1.0, 1.0]) == pytest.approx(1.0)
+
+
+def test_default_costs_are_memory_bound_then_linear():
+    c = StepCosts(StepCostsConfig(target_step_s=0.02, knee_tokens=64, draft_ratio=0.25))
+    assert c.t_decode(1) == pytest.approx(0.02)
+    assert c.t_decode(32) == pytest.approx(0.02)  # flat below the knee
+    assert c.t_verify(1, 4) == pytest.approx(0.02)
+    assert c.t_verify(64, 3) == pytest.approx(0.02 * 256 / 64)  # linear past it
+    assert c.t_draft(1) == pytest.approx(0.005)
+    assert c.target(100_000) == pytest.approx(0.02 * 100_000 / 64)  # extrapolates past the table
+
+
+def test_curve_first_measurement_replaces_prior_then_decays():
+    curve = CostCurve(base_s=0.02, knee_tokens=64, decay=0.5)
+    curve.observe(1, 0.06)
+    assert curve(1) == pytest.approx(0.06)
+    # unmeasured points follow the measured/default ratio instead of leaving a cliff
+    assert curve(16) == pytest.approx(0.06)
+    assert curve(256) == pytest.approx(0.06 * 4)
+    curve.observe(1, 0.02)  # second sample: running mean (step 1/2)
+    assert curve(1) == pytest.approx(0.04)
+    for _ in range(20):
+        curve.observe(1, 0.01)
+    assert curve(1) == pytest.approx(0.01, rel=1e-3)
+
+
+def test_curve_off_grid_measurement_is_reproduced_and_monotone():
+    curve = CostCurve(base_s=0.02, knee_tokens=64)
+    curve.observe(40, 0.2)  # between grid points 32 and 48
+    assert curve(40) == pytest.approx(0.2)
+    curve.observe(1000, 0.001)  # a noisy low reading at many tokens
+    ts = [curve(n) for n in (1, 8, 40, 200, 1000, 5000)]
+    assert ts == sorted(ts)  # more tokens never look cheaper
+
+
+def test_speedup_matches_hand_computation():
+    c = StepCosts(StepCostsConfig(target_step_s=0.02, knee_tokens=64, draft_ratio=0.25, exchange_s=0.001))
+    e = (1 - 0.8**5) / 0.2
+    assert speedup(0.8, 4, 1, c) == pytest.approx(0.02 / ((4 * 0.005 + 0.02 + 0.001) / e))
+    # overlap hides draft+exchange behind verify except what outlasts it (0.021 - 0.020)
+    assert speedup(0.8, 4, 1, c, overlap=True) == pytest.approx(0.02 / (0.021 / e))
+    assert speedup(0.8, 0, 1, c) == 1.0
+    # draft prefill amortised over the output: longer outputs pay it back better
+    short = speedup(0.8, 4, 1, c, prompt_tokens=2000, output_tokens=32)
+    long = speedup(0.8, 4, 1, c, prompt_tokens=2000, output_tokens=2000)
+    assert short < long < speedup(0.8, 4, 1, c)
+
+
+def test_best_k_grows_with_alpha():
+    c = StepCosts()
+    ks = [best_k(a, 1, c, 8, margin=1.05)[0] for a in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)]
+    assert ks == sorted(ks)
+    assert ks[0] == 0 and ks[-1] > ks[2] > 0
+
+
+def test_best_k_zero_under_load_and_speedup_reported():
+    c = StepCosts()
+    k, s = best_k(0.8, 1, c, 8, margin=1.05)
+    assert k > 0 and s > 1.05 and math.isclose(s, speedup(0.8, k, 1, c))
+    assert best_k(0.8, 256, c, 8, margin=1.05) == (0, 1.0)
+    assert best_k(0.8, 1, c, 0) == (0, 1.0)

@@ -1,0 +1,161 @@
+"""The per-request decision on constructed snapshots, and the per-step k."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from app.policy import (
+    AcceptanceTracker,
+    LoadSnapshot,
+    PolicyConfig,
+    PolicyRequest,
+    SpeculationDecision,
+    SpeculationPolicy,
+    StepCosts,
+    choose_step_k,
+)
+
+IDLE = LoadSnapshot(running_sequences=0, queue_length=0, max_num_seqs=256)
+BUSY = LoadSnapshot(running_sequences=120, queue_length=20, max_num_seqs=256)
+
+
+def _policy(alpha: float | None = None, cls: str = "code", **cfg) -> SpeculationPolicy:
+    """A policy without exploration, optionally with `cls` measured at per-token acceptance alpha."""
+    cfg.setdefault("exploration_share", 0.0)
+    pol = SpeculationPolicy(PolicyConfig(**cfg))
+    if alpha is not None:
+        for i in range(1000):  # single-token drafts, accepted evenly spread at rate alpha
+            accepted = int((i + 1) * alpha) > int(i * alpha)
+            pol.observe_verification(cls, 1, int(accepted))
+        assert pol.acceptance.alpha(cls) == pytest.approx(alpha, abs=0.02)
+    return pol
+
+
+def _req(**kw) -> PolicyRequest:
+    kw.setdefault("max_tokens", 512)
+    kw.setdefault("prompt_class", "code")
+    return PolicyRequest(**kw)
+
+
+def test_long_output_low_load_speculates_deeper_with_higher_alpha():
+    high = _policy(0.9).decide(_req(), IDLE)
+    mid = _policy(0.65).decide(_req(), IDLE)
+    assert high.speculate and high.reason == "low_load_long_output"
+    assert mid.speculate and mid.reason == "low_load_long_output"
+    assert high.k > mid.k
+    assert high.expected_speedup > mid.expected_speedup > 1.05
+
+
+def test_high_load_turns_it_off():
+    d = _policy(0.9).decide(_req(), BUSY)
+    assert (d.speculate, d.k, d.reason) == (False, 0, "high_load")
+    assert d.batch_size == 141
+
+
+def test_batch_is_capped_by_max_num_seqs():
+    load = LoadSnapshot(running_sequences=4, queue_length=500, max_num_seqs=8)
+    d = _policy(0.9).decide(_req(), load)
+    assert d.batch_size == 8 and d.speculate  # 8 x (k+1) tokens is still below the knee
+
+
+def test_short_output_turns_it_off():
+    d = _policy(0.9).decide(_req(max_tokens=8), IDLE)
+    assert (d.speculate, d.reason) == (False, "short_output")
+    # learned: this class finishes short, so a large max_tokens does not help ...
+    pol = _policy(0.9)
+    for _ in range(50):
+        pol.observe_finished("code", 5, "stop")
+    assert pol.decide(_req(max_tokens=4096), IDLE).reason == "short_output"
+    # ... unless the request cannot stop early
+    assert pol.decide(_req(max_tokens=4096, has_stop=False), IDLE).speculate
+
+
+def test_low_acceptance_turns_it_off():
+    d = _policy(0.2).decide(_req(), IDLE)
+    assert (d.speculate, d.reason) == (False, "low_acceptance")
+    assert d.alpha == pytest.approx(0.2, abs=0.02)
+
+
+def test_long_prompt_short_output_is_prefill_cost():
+    d = _policy(0.7).decide(_req(max_tokens=20, prompt_tokens=20_000), IDLE)
+    assert (d.speculate, d.reason) == (False, "prefill_cost")
+
+
+def test_no_draft_and_stale_load():
+    pol = _policy(0.9)
+    assert pol.decide(_req(), IDLE.model_copy(update={"draft_available": False})).reason == "no_draft"
+    assert pol.decide(_req(), IDLE.model_copy(update={"age_s": 60.0})).reason == "stale_load"
+
+
+def test_overrides_always_win():
+    low = _policy(0.1)
+    d = low.decide(_req(mode="on", requested_k=3), BUSY)
+    assert (d.speculate, d.k, d.reason) == (True, 3, "forced_on")
+    assert low.decide(_req(mode="on", max_tokens=2), BUSY).k == 4  # default_k
+    assert low.decide(_req(requested_k=5), BUSY).reason == "forced_on"  # k given under auto
+    assert low.decide(_req(mode="on", requested_k=99), IDLE).k == 8  # capped at max_k
+    high = _policy(0.95)
+    assert high.decide(_req(mode="off"), IDLE).reason == "forced_off"
+    assert high.decide(_req(requested_k=0), IDLE).reason == "forced_off"
+
+
+def test_exploration_share_is_respected_and_deterministic():
+    def run(seed: int, n: int) -> list[str]:
+        pol = _policy(0.2, exploration_share=0.1, seed=seed)
+        return [pol.decide(_req(), IDLE).reason for _ in range(n)]
+
+    reasons = run(7, 2000)
+    share = reasons.count("exploration") / len(reasons)
+    assert 0.08 < share < 0.12  # +-3 sigma of a 10% share over 2000 draws
+    assert set(reasons) == {"exploration", "low_acceptance"}
+    assert run(7, 200) == reasons[:200] and run(8, 200) != reasons[:200]
+    d = _policy(0.2, exploration_share=1.0).decide(_req(), IDLE)
+    assert (d.speculate, d.k) == (True, 2)
+    # never explores where speculation cannot help at all
+    assert _policy(0.2, exploration_share=1.0).decide(_req(max_tokens=4), IDLE).reason == "short_output"
+
+
+def test_choose_step_k_drops_to_zero_as_batch_grows():
+    costs = StepCosts()  # default: verify time grows linearly with tokens past the knee
+    ks = [choose_step_k(0.8, b, 8, costs, margin=1.05) for b in (1, 4, 8, 16, 32, 64, 128)]
+    assert ks[0] >= 3 and ks[-1] == 0
+    assert ks == sorted(ks, reverse=True)
+    pol = _policy()
+    assert pol.choose_step_k(0.8, 128) == 0
+    assert pol.choose_step_k(0.8, 128, min_k=1) == 1  # exploration sequences keep sampling
+    assert pol.choose_step_k(0.95, 1, remaining_tokens=3) == 2
+    assert pol.choose_step_k(0.95, 1, remaining_tokens=1) == 0
+
+
+def test_ingest_measured_times_once_per_publication():
+    pol = _policy(0.9)
+    # a replica measuring a steep, compute-bound target makes speculation stop paying at low load
+    snap = IDLE.model_copy(update={"replica": "t0", "seq": 1, "decode_step_s": 0.01, "decode_tokens": 1,
+                                   "verify_step_s": 0.05, "verify_tokens": 5})
+    pol.ingest(snap)
+    assert pol.costs.t_decode(1) == pytest.approx(0.01)
+    assert pol.costs.t_verify(1, 4) == pytest.approx(0.05)
+    pol.costs.observe_decode(1, 0.02)
+    before = pol.costs.t_decode(1)
+    pol.ingest(snap)  # same publication: not counted again
+    assert pol.costs.t_decode(1) == before
+    assert not pol.decide(_req(), snap).speculate
+
+
+def test_decision_schema():
+    d = _policy(0.9).decide(_req(), IDLE)
+    out = json.loads(json.dumps(d.as_dict()))
+    assert out["reason"] == "low_load_long_output" and out["k"] == d.k and out["speculate"] is True
+    with pytest.raises(ValidationError):
+        SpeculationDecision(speculate=True, k=0, reason="forced_on")
+    with pytest.raises(ValidationError):
+        LoadSnapshot(running_sequences=1, bogus=2)
+    with pytest.raises(ValidationError):
+        PolicyRequest(max_tokens=10, mode="maybe")
+
+
+def test_pooled_prior_for_unseen_class():
+    pol = _policy()
+    assert pol.acceptance.alpha("prose") == pytest.approx(PolicyConfig().prior_alpha)
+    assert isinstance(pol.acceptance, AcceptanceTracker)
