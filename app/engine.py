@@ -27,7 +27,7 @@ from app.config import EngineLimits, SamplingParams
 from app.detokenizer import StopChecker
 from app.kv_cache import SequenceKV
 from app.model_runner import ContextOverflow, ModelRunner
-from app.proposers.base import Proposal, ProposalRequest, Proposer
+from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
 from app.sampling import next_token
 from app.verification import verify_greedy, verify_sampled
 
@@ -281,7 +281,3 @@ class SpecEngine:
         seq.kv = SequenceKV()
         if self.proposer is not None:
             self.proposer.release(seq.seq_id)
-
-
-class ProposerUnavailable(RuntimeError):
-    """Raised by a remote proposer whose draft replica is gone; the engine decodes plainly."""

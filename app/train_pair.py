@@ -49,7 +49,7 @@ class PairShape:
     target_heads: int = 4
     target_ffn: int = 768
     draft_hidden: int = 128
-    draft_layers: int = 2
+    draft_layers: int = 3
     draft_heads: int = 2
     draft_ffn: int = 384
     max_positions: int = 2048
@@ -230,6 +230,8 @@ def train(
     seq: int,
     seed: int,
     device: str,
+    draft_only: bool = False,
+    distill_weight: float = 0.9,
 ) -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -242,14 +244,22 @@ def train(
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, PairShape expects {shape.vocab_size}")
 
     report: dict[str, object] = {"seed": seed, "device": device, "train_tokens": int(len(train_ids))}
+    if draft_only and (out / "TRAINING.json").exists():
+        report = json.loads((out / "TRAINING.json").read_text())
+    report.update({"draft_steps": draft_steps, "distill_weight": distill_weight, "batch": batch, "seq": seq})
     t0 = time.time()
-    target = LlamaForCausalLM(
-        llama_config(shape, shape.target_hidden, shape.target_layers, shape.target_heads, shape.target_ffn, tokenizer)
-    ).to(device)
-    report["target"] = fit(
-        target, train_ids, heldout_ids, name="target", steps=target_steps, batch=batch,
-        seq=seq, lr=3e-3, seed=seed, device=device,
-    )
+    if draft_only:
+        # keep the committed target; distill a new draft from it
+        target = LlamaForCausalLM.from_pretrained(out / "target", dtype=torch.float32).to(device)
+    else:
+        target = LlamaForCausalLM(
+            llama_config(shape, shape.target_hidden, shape.target_layers, shape.target_heads, shape.target_ffn, tokenizer)
+        ).to(device)
+        report["target"] = fit(
+            target, train_ids, heldout_ids, name="target", steps=target_steps, batch=batch,
+            seq=seq, lr=3e-3, seed=seed, device=device,
+        )
+        report["target_steps"] = target_steps
     target.eval().requires_grad_(False)
 
     draft = LlamaForCausalLM(
@@ -257,14 +267,14 @@ def train(
     ).to(device)
     report["draft"] = fit(
         draft, train_ids, heldout_ids, name="draft (distilled)", steps=draft_steps, batch=batch,
-        seq=seq, lr=4e-3, seed=seed + 1, device=device, teacher=target, distill_weight=0.7,
+        seq=seq, lr=4e-3, seed=seed + 1, device=device, teacher=target, distill_weight=distill_weight,
     )
     report["params"] = {
         "target": sum(p.numel() for p in target.parameters()),
         "draft": sum(p.numel() for p in draft.parameters()),
     }
     report["train_seconds"] = round(time.time() - t0, 1)
-    for name, model in (("target", target), ("draft", draft)):
+    for name, model in (("draft", draft),) if draft_only else (("target", target), ("draft", draft)):
         # float16 keeps 10 mantissa bits (bf16 has 7) and halves the committed size;
         # the runner upcasts to float32 on CPU.
         model.to("cpu", dtype=torch.float16).save_pretrained(out / name)
@@ -288,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--seq", type=int, default=512)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--draft-only", action="store_true", help="keep --out/target, distill a new draft from it")
+    t.add_argument("--distill-weight", type=float, default=0.9)
     args = parser.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.out, args.vocab_size)
@@ -295,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         train(
             args.data, args.out, target_steps=args.target_steps, draft_steps=args.draft_steps,
             batch=args.batch, seq=args.seq, seed=args.seed, device=args.device,
+            draft_only=args.draft_only, distill_weight=args.distill_weight,
         )
 
 

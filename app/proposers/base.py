@@ -44,3 +44,7 @@ class Proposer(ABC):
 
     def num_cached_sequences(self) -> int:
         return 0
+
+
+class ProposerUnavailable(RuntimeError):
+    """A remote proposer could not be reached; the engine decodes plainly for this step."""

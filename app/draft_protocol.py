@@ -1,0 +1,151 @@
+"""The draft <-> target step protocol: one call per target step for the whole batch.
+
+Caches are caches: each sequence entry says what the draft should already hold
+(`base_len` tokens with hash `base_hash`) and carries only the tokens after it. A draft
+replica that does not hold that base (new, restarted, or replaced replica) answers
+*miss* for the sequence, and the client resends it in full; the draft rebuilds its KV
+by prefill. A wrong token is never possible, only a slower step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from app.config import SamplingParams
+from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
+
+
+def tokens_hash(tokens: list[int]) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(tokens).encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class DraftSeqDelta:
+    seq_id: str
+    base_len: int  # tokens the draft should already hold as this sequence's truth
+    base_hash: int  # tokens_hash of those tokens (0 when base_len == 0)
+    append: list[int]  # the tokens after the base
+    k: int
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass
+class DraftStepRequest:
+    client_id: str  # the calling target replica (the affinity key)
+    seqs: list[DraftSeqDelta]
+    release: list[str] = field(default_factory=list)  # finished or cancelled sequences
+
+
+@dataclass
+class DraftStepResponse:
+    proposals: dict[str, Proposal]
+    misses: list[str]
+    draft_time_s: float
+
+
+class DraftWorker:
+    """The draft replica's side: resolves deltas against what it holds, proposes in one batch."""
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        self.truth: dict[str, list[int]] = {}
+        self.misses = 0
+
+    def step(self, request: DraftStepRequest) -> DraftStepResponse:
+        for seq_id in request.release:
+            self.truth.pop(seq_id, None)
+            self.proposer.release(seq_id)
+        t0 = time.perf_counter()
+        resolved: list[ProposalRequest] = []
+        misses: list[str] = []
+        for s in request.seqs:
+            held = self.truth.get(s.seq_id)
+            if s.base_len == 0:
+                tokens = list(s.append)
+            elif held is not None and len(held) >= s.base_len and tokens_hash(held[: s.base_len]) == s.base_hash:
+                tokens = held[: s.base_len] + list(s.append)
+            else:
+                misses.append(s.seq_id)
+                self.misses += 1
+                continue
+            self.truth[s.seq_id] = tokens
+            resolved.append(ProposalRequest(s.seq_id, tokens, s.k, s.sampling, s.seed))
+        proposals = self.proposer.propose(resolved)
+        return DraftStepResponse(
+            proposals={r.seq_id: p for r, p in zip(resolved, proposals)},
+            misses=misses,
+            draft_time_s=time.perf_counter() - t0,
+        )
+
+    def num_sequences(self) -> int:
+        return len(self.truth)
+
+
+class DraftUnavailable(ProposerUnavailable):
+    """No draft replica answered; the engine decodes plainly for this step."""
+
+
+class DraftClient(Proposer):
+    """The target replica's side: a Proposer that sends one delta-encoded call per step.
+
+    `transport` carries a request to a draft replica and returns its response (a Serve
+    handle call in production, a direct DraftWorker call in tests); it raises
+    DraftUnavailable when no draft replica answers.
+    """
+
+    def __init__(self, client_id: str, transport: Callable[[DraftStepRequest], DraftStepResponse]) -> None:
+        self.client_id = client_id
+        self.transport = transport
+        self.sent: dict[str, list[int]] = {}  # what we believe the draft holds per sequence
+        self.pending_release: list[str] = []
+        self.resends = 0
+        self.last_exchange_s = 0.0
+        self.last_draft_s = 0.0
+
+    def _delta(self, r: ProposalRequest, full: bool) -> DraftSeqDelta:
+        sent = [] if full else self.sent.get(r.seq_id, [])
+        base = 0
+        for a, b in zip(sent, r.token_ids):
+            if a != b:
+                break
+            base += 1
+        return DraftSeqDelta(
+            r.seq_id, base, tokens_hash(r.token_ids[:base]) if base else 0, r.token_ids[base:], r.k, r.sampling, r.seed
+        )
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        if not requests:
+            return []
+        by_id = {r.seq_id: r for r in requests}
+        t0 = time.perf_counter()
+        response = self._call([self._delta(r, full=False) for r in requests])
+        proposals = dict(response.proposals)
+        draft_s = response.draft_time_s
+        if response.misses:
+            # the draft lost (or never had) these sequences: resend them in full, once
+            self.resends += len(response.misses)
+            retry = self._call([self._delta(by_id[m], full=True) for m in response.misses])
+            proposals.update(retry.proposals)
+            draft_s += retry.draft_time_s
+        self.last_draft_s = draft_s
+        self.last_exchange_s = max(0.0, time.perf_counter() - t0 - draft_s)
+        for r in requests:
+            self.sent[r.seq_id] = list(r.token_ids)
+        return [proposals.get(r.seq_id, Proposal([])) for r in requests]
+
+    def _call(self, seqs: list[DraftSeqDelta]) -> DraftStepResponse:
+        request = DraftStepRequest(self.client_id, seqs, self.pending_release)
+        self.pending_release = []
+        try:
+            return self.transport(request)
+        except DraftUnavailable:
+            self.sent.clear()  # whatever answers next may hold nothing
+            raise
+
+    def release(self, seq_id: str) -> None:
+        if self.sent.pop(seq_id, None) is not None:
+            self.pending_release.append(seq_id)
