@@ -15,6 +15,7 @@ class AcceptanceStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_rejections: int = 0  # drafts that ended in a rejection (accepted < drafted)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
 
@@ -27,6 +28,7 @@ class AcceptanceStats:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
+        self.num_rejections += accepted < drafted
         for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
             if len(counts) < drafted:
                 counts.extend([0] * (drafted - len(counts)))
@@ -37,6 +39,7 @@ class AcceptanceStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_rejections += other.num_rejections
         for mine, theirs in (
             (self.drafted_per_position, other.drafted_per_position),
             (self.accepted_per_position, other.accepted_per_position),
@@ -53,6 +56,15 @@ class AcceptanceStats:
     @property
     def mean_acceptance_length(self) -> float | None:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def token_alpha(self, prior: float, prior_weight: float = 8.0) -> float:
+        """Per-token acceptance probability: accepted / (accepted + rejections), shrunk to a prior.
+
+        Unlike accepted/drafted this does not depend on k (a step stops at its first rejection).
+        """
+        return (self.num_accepted_tokens + prior * prior_weight) / (
+            self.num_accepted_tokens + self.num_rejections + prior_weight
+        )
 
     def per_position_rate(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]

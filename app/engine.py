@@ -136,7 +136,7 @@ class SpecEngine:
                 f"prompt + max_tokens = {need} tokens exceeds this replica's KV budget "
                 f"({self.limits.max_cached_tokens}); lower max_tokens"
             )
-        if len(self.waiting) >= self.limits.max_queue and not self._fits(need):
+        if self._left_waiting(need) > self.limits.max_queue:
             raise Overloaded(f"{len(self.waiting)} requests already waiting")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         k = min(k, self.max_k) if self.proposer is not None else 0
@@ -163,6 +163,17 @@ class SpecEngine:
 
     def reserved_tokens(self) -> int:
         return sum(s.reserved_tokens() for s in self.running.values())
+
+    def _left_waiting(self, need: int) -> int:
+        """Requests (a new one needing `need` KV tokens included) the next admission leaves waiting."""
+        slots = self.limits.max_num_seqs - len(self.running)
+        budget = self.limits.max_cached_tokens - self.reserved_tokens()
+        reserved = [s.reserved_tokens() for s in self.waiting] + [need]
+        for i, r in enumerate(reserved):  # first come, first admitted, as in step()
+            if slots <= 0 or r > budget:
+                return len(reserved) - i
+            slots, budget = slots - 1, budget - r
+        return 0
 
     def _fits(self, need: int) -> bool:
         return (

@@ -1,0 +1,110 @@
+"""Drive a SpecEngine from a background thread and hand results to asyncio callers.
+
+The model work is synchronous torch code, so it runs on its own thread; request
+coroutines (a Serve replica's handlers) submit work and await per-sequence queues.
+Submission, cancellation and stepping share one lock, so sequences join and leave
+exactly at step boundaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from app.config import SamplingParams
+from app.engine import SeqUpdate, SpecEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopStats:
+    steps: int = 0
+    last_step_s: float = 0.0
+    errors: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine: SpecEngine, on_step=None) -> None:
+        self.engine = engine
+        self.on_step = on_step  # callback(engine, updates, seconds) on the loop thread, for metrics
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.stats = LoopStats()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, seq_id: str, prompt_ids: list[int], sampling: SamplingParams, k: int) -> asyncio.Queue:
+        """Queue a sequence; raises ValueError / Overloaded synchronously. Call from the event loop."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.lock:
+            self.engine.add(seq_id, prompt_ids, sampling, k)
+            self.queues[seq_id] = (asyncio.get_running_loop(), queue)
+        self.wake.set()
+        return queue
+
+    def cancel(self, seq_id: str) -> None:
+        """Stop a sequence at the next step boundary and free its caches."""
+        with self.lock:
+            self.engine.abort(seq_id)
+            self.queues.pop(seq_id, None)
+
+    def stop(self) -> None:
+        self._stop = True
+        self.wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self.engine.has_work():
+                self.wake.wait(timeout=0.5)
+                self.wake.clear()
+                continue
+            t0 = time.perf_counter()
+            with self.lock:
+                try:
+                    updates = self.engine.step()
+                except Exception as e:  # noqa: BLE001 — fail the step's sequences, keep serving
+                    log.exception("engine step failed")
+                    self.stats.errors += 1
+                    self._fail_all(e)
+                    continue
+                targets = [(u, self.queues.get(u.seq_id)) for u in updates]
+                for u in updates:
+                    if u.finish_reason is not None:
+                        self.queues.pop(u.seq_id, None)
+            elapsed = time.perf_counter() - t0
+            self.stats.steps += 1
+            self.stats.last_step_s = elapsed
+            for update, target in targets:
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, update)
+            if self.on_step is not None:
+                self.on_step(self.engine, updates, elapsed)
+
+    def _fail_all(self, error: Exception) -> None:
+        for seq_id, (loop, queue) in list(self.queues.items()):
+            self.engine.abort(seq_id)
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+        self.queues.clear()
+
+
+async def stream_updates(queue: asyncio.Queue, timeout_s: float):
+    """Yield SeqUpdates until the sequence finishes; raise TimeoutError past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"request exceeded its {timeout_s:.0f}s deadline")
+        item = await asyncio.wait_for(queue.get(), timeout=remaining)
+        if isinstance(item, Exception):
+            raise item
+        update: SeqUpdate = item
+        yield update
+        if update.finish_reason is not None:
+            return

@@ -1,0 +1,31 @@
+"""Router <-> target replica messages (plain dataclasses: cheap to pickle across actors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]  # on failover: the original prompt + every token already streamed
+    sampling: SamplingParams  # on failover: max_tokens reduced by what was streamed
+    k: int  # starting speculation depth (0 = plain); the engine may adapt it per step
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One engine step's worth of output for one request."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    drafted: int = 0
+    accepted: int = 0  # the first `accepted` tokens were proposed by the draft; the rest is the target's
+    k: int = 0
+    replica: str = ""
+    error: str | None = None  # admission refused: the router answers with `status`
+    status: int = 0

@@ -1,0 +1,148 @@
+"""One request's life across target replicas: admission, streaming, failover, usage.
+
+A target replica that dies mid-request is replaced transparently: the request is
+re-issued to another replica with the prompt plus every token already streamed, and
+per-position seeded sampling makes the continuation the one the lost replica would have
+produced (identical under greedy decoding).
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi.responses import JSONResponse
+from ray.exceptions import RayError
+
+from app.acceptance import AcceptanceStats
+from app.generation_protocol import GenerateChunk, GenerateRequest
+from app.openai_protocol import SpeculationUsage, Usage, error_body
+from app.policy import SpeculationDecision
+
+if TYPE_CHECKING:
+    from deployments.router import Router
+
+log = logging.getLogger("ray.serve")
+MAX_FAILOVERS = 3
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type_ = status, message, param, code, type_
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type_, self.param, self.code), self.status, self.headers)
+
+
+
+class RequestRun:
+    """One request's life across target replicas: streams chunks, fails over, accounts usage."""
+
+    def __init__(self, router: "Router", request: GenerateRequest, decision: SpeculationDecision,
+                 requested: str, prompt_class: str) -> None:
+        self.router, self.request, self.decision = router, request, decision
+        self.requested, self.prompt_class = requested, prompt_class
+        self.tokens: list[int] = []
+        self.stats = AcceptanceStats()
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self._stream: AsyncIterator[GenerateChunk] | None = None
+        self._response = None
+
+    def _open(self) -> AsyncIterator[GenerateChunk]:
+        r = self.request
+        sampling = r.sampling.model_copy(update={"max_tokens": r.sampling.max_tokens - len(self.tokens)})
+        req = GenerateRequest(f"{r.request_id}-{uuid.uuid4().hex[:6]}", r.prompt_ids + self.tokens, sampling,
+                              r.k, r.timeout_s)
+        self._response = self.router.target.options(stream=True).generate.remote(req)
+        return self._response.__aiter__()
+
+    async def first(self) -> GenerateChunk:
+        """Admission: the first chunk (or a 4xx/429 before any byte of the response is sent)."""
+        self.router.in_flight += 1
+        try:
+            async for chunk in self._attempts():
+                return chunk
+        except BaseException:
+            self.router.in_flight -= 1
+            raise
+        raise RequestError(500, "target produced no output", type_="server_error")
+
+    async def chunks(self, first: GenerateChunk | None = None) -> AsyncIterator[GenerateChunk]:
+        if first is None:
+            first = await self.first()
+        try:
+            yield first
+            if first.finish_reason is None:
+                async for chunk in self._attempts(resume=True):
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        break
+        finally:
+            self.router.in_flight -= 1
+            if self._response is not None:
+                self._response.cancel()  # client gone or done: the target frees the sequence
+
+    async def _attempts(self, resume: bool = False) -> AsyncIterator[GenerateChunk]:
+        failures = 0
+        stream = self._stream if resume and self._stream is not None else None
+        while True:
+            if stream is None:
+                stream = self._stream = self._open()
+            try:
+                async for chunk in stream:
+                    if chunk.error:
+                        headers = {"Retry-After": "1"} if chunk.status == 429 else None
+                        raise RequestError(chunk.status, chunk.error, type_="server_overloaded"
+                                           if chunk.status == 429 else "invalid_request_error", headers=headers)
+                    self._account(chunk)
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        return
+                return
+            except (RayError, ConnectionError) as e:
+                failures += 1
+                log.warning("target replica failed mid-request (%s); re-issuing with %d streamed tokens",
+                            type(e).__name__, len(self.tokens))
+                if failures > MAX_FAILOVERS:
+                    raise RequestError(503, "target replicas keep failing; retry later", type_="server_error",
+                                       headers={"Retry-After": "5"}) from e
+                await asyncio.sleep(0.2 * failures)
+                stream = None
+
+    def _account(self, chunk: GenerateChunk) -> None:
+        if chunk.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+            self.router.metrics.observe_ttft(self.first_token_at - self.started)
+        self.tokens += chunk.token_ids
+        self.stats.record(chunk.drafted, chunk.accepted)
+        if chunk.drafted:
+            self.router.policy.observe_verification(self.prompt_class, chunk.drafted, chunk.accepted)
+        if chunk.finish_reason in ("stop", "length"):
+            self.router.policy.observe_finished(self.prompt_class, len(self.tokens), chunk.finish_reason)
+            if self.first_token_at is not None and len(self.tokens) > 1:
+                self.router.metrics.observe_tpot((time.monotonic() - self.first_token_at) / (len(self.tokens) - 1))
+
+    def usage(self) -> Usage:
+        s, d = self.stats, self.decision
+        spec = SpeculationUsage(
+            mode="speculative" if d.speculate else "plain", requested=self.requested, k=d.k, reason=d.reason,
+            drafted_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens, num_drafts=s.num_drafts,
+            acceptance_rate=s.acceptance_rate, mean_acceptance_length=s.mean_acceptance_length,
+            expected_speedup=round(d.expected_speedup, 3),
+        )
+        n_prompt = len(self.request.prompt_ids)
+        return Usage(prompt_tokens=n_prompt, completion_tokens=len(self.tokens),
+                     total_tokens=n_prompt + len(self.tokens), speculation=spec)
+
+
+def provenance(tokenizer, chunk: GenerateChunk) -> list[dict[str, Any]]:
+    """Per-token origin for the playground: the first `accepted` tokens came from the draft."""
+    return [
+        {"id": t, "text": tokenizer.decode([t]), "origin": "draft" if i < chunk.accepted else "target"}
+        for i, t in enumerate(chunk.token_ids)
+    ]

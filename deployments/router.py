@@ -1,0 +1,201 @@
+"""Router: the HTTP ingress. Validates, tokenizes, asks the policy, streams from a target replica.
+
+OpenAI-compatible: /v1/completions, /v1/chat/completions (stream or not), /v1/models,
+/health. Bad input gets OpenAI error JSON with a 4xx. A target replica that dies
+mid-request is replaced transparently: the request is re-issued to another replica with
+the prompt plus every token already streamed, so the stream continues where it stopped.
+"""
+
+
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.config import AppConfig
+from app.generation_protocol import GenerateChunk, GenerateRequest
+from app.model_runner import load_tokenizer
+from app.openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, SpeculationUsage, Usage, chat_chunk, chat_response,
+    completion_chunk, completion_response, error_body, new_id,
+)
+from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
+from deployments.metrics_ray import ServeMetrics
+from deployments.request_router import LOAD_REGISTRY
+from deployments.request_run import RequestError, RequestRun, provenance
+
+log = logging.getLogger("ray.serve")
+fastapi_app = FastAPI(title="specserve", description="speculative decoding on Ray Serve")
+PLAYGROUND = Path(__file__).resolve().parent.parent / "app" / "static" / "playground.html"
+DEFAULT_MAX_TOKENS = 256
+
+
+@serve.deployment
+@serve.ingress(fastapi_app)
+class Router:
+    def __init__(self, config: dict, target: DeploymentHandle) -> None:
+        self.config = AppConfig.model_validate(config)
+        self.target = target
+        self.tokenizer = load_tokenizer(self.config.engine.target)
+        cfg = self.config.engine.target
+        self.max_context = cfg.max_context or int(getattr(self.tokenizer, "model_max_length", 2048))
+        self.has_draft = self.config.engine.draft is not None or self.config.engine.speculation.proposer == "ngram"
+        self.policy = SpeculationPolicy()
+        self.metrics = ServeMetrics()
+        self.in_flight = 0
+
+    # ---- routes ----------------------------------------------------------------------
+    @fastapi_app.get("/health")
+    async def health(self) -> JSONResponse:
+        # Serve routes traffic here only after __init__ (tokenizer) and the targets' health
+        # checks pass; a target replica answers only once its model is loaded.
+        return JSONResponse({"status": "ok", "model": self.config.model_name})
+
+    @fastapi_app.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specserve",
+             "max_model_len": self.max_context}
+        ]})
+
+    @fastapi_app.get("/")
+    async def playground(self):
+        if PLAYGROUND.exists():
+            return FileResponse(PLAYGROUND, media_type="text/html")
+        return JSONResponse({"message": "specserve: POST /v1/completions"})
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._handle(request, chat=False)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._handle(request, chat=True)
+
+    # ---- request handling --------------------------------------------------------------
+    async def _handle(self, request: Request, chat: bool):
+        try:
+            body = await self._parse(request, ChatCompletionRequest if chat else CompletionRequest)
+            if body.model != self.config.model_name:
+                raise RequestError(404, f"model {body.model!r} does not exist; this server serves "
+                                        f"{self.config.model_name!r} (see GET /v1/models)", "model", "model_not_found")
+            prompt_ids, text = self._tokenize(body, chat)
+            room = self.max_context - len(prompt_ids)
+            if room < 1:
+                raise RequestError(400, f"prompt is {len(prompt_ids)} tokens; this model's maximum context "
+                                        f"length is {self.max_context} tokens", "messages" if chat else "prompt",
+                                   "context_length_exceeded")
+            requested = body.max_completion_tokens or body.max_tokens
+            if requested is not None and requested > room:
+                raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({requested}) exceeds "
+                                        f"this model's maximum context length of {self.max_context} tokens; "
+                                        f"lower max_tokens to at most {room}", "max_tokens", "context_length_exceeded")
+            sampling = body.sampling(default_max_tokens=min(DEFAULT_MAX_TOKENS, room))
+        except RequestError as e:
+            return e.response()
+        decision = self._decide(body, sampling, len(prompt_ids), text, chat)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        gen = GenerateRequest(rid, prompt_ids, sampling, decision.k, self.config.engine.limits.request_timeout_s)
+        run = RequestRun(self, gen, decision, body.speculation, classify_prompt(text, chat=chat))
+        if body.stream:
+            try:
+                first = await run.first()
+            except RequestError as e:
+                return e.response()
+            return StreamingResponse(self._sse(run, first, rid, chat, body.return_provenance),
+                                     media_type="text/event-stream")
+        try:
+            chunks = [c async for c in run.chunks()]
+        except RequestError as e:
+            return e.response()
+        text_out = "".join(c.text for c in chunks)
+        finish = chunks[-1].finish_reason if chunks else None
+        make = chat_response if chat else completion_response
+        return JSONResponse(make(rid, self.config.model_name, text_out, finish, run.usage()))
+
+    async def _parse(self, request: Request, model):
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise RequestError(400, "request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err.get("loc", ())) or None
+            raise RequestError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param) from None
+        except RecursionError:
+            raise RequestError(400, "request body is nested too deeply") from None
+
+    def _tokenize(self, body, chat: bool) -> tuple[list[int], str]:
+        if chat:
+            messages = [m.model_dump() for m in body.messages]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"], text
+        if isinstance(body.prompt, str):
+            return self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"], body.prompt
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in body.prompt):
+            raise RequestError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+        return list(body.prompt), self.tokenizer.decode(body.prompt)
+
+    def _load(self) -> LoadSnapshot:
+        replicas = LOAD_REGISTRY.get("TargetServer", {})
+        now = time.monotonic()
+        fresh = [(s, now - t) for s, t in replicas.values() if s]
+        if not fresh:
+            return LoadSnapshot(running_sequences=max(0, self.in_flight), draft_available=self.has_draft)
+        stats, age = min(fresh, key=lambda x: x[0].get("running", 0) + x[0].get("waiting", 0))
+        # The router's own in-flight count per replica is fresher than published stats.
+        mine = self.in_flight // max(1, len(fresh))
+        return LoadSnapshot(
+            running_sequences=max(int(stats.get("running", 0)), mine),
+            queue_length=int(stats.get("waiting", 0)),
+            max_num_seqs=int(stats.get("max_num_seqs", 32)),
+            draft_available=bool(stats.get("draft_available", True)) and self.has_draft,
+            age_s=0.0,  # the in-flight count keeps it current even when stats lag
+            **{k: stats[k] for k in ("decode_step_s", "decode_tokens", "verify_step_s", "verify_tokens",
+                                     "draft_step_s", "draft_batch") if stats.get(k)},
+        )
+
+    def _decide(self, body, sampling, prompt_tokens: int, text: str, chat: bool) -> SpeculationDecision:
+        load = self._load()
+        self.policy.ingest(load)
+        decision = self.policy.decide(PolicyRequest(
+            mode=body.speculation, requested_k=body.num_speculative_tokens, max_tokens=sampling.max_tokens,
+            prompt_tokens=prompt_tokens, prompt_class=classify_prompt(text, chat=chat),
+            has_stop=bool(sampling.stop) or not sampling.ignore_eos,
+        ), load)
+        self.metrics.record_decision("speculate" if decision.speculate else "plain", decision.reason)
+        return decision
+
+    async def _sse(self, run: RequestRun, first: GenerateChunk, rid: str, chat: bool, provenance: bool):
+        model = self.config.model_name
+        is_first = True
+        try:
+            async for chunk in run.chunks(first):
+                prov = provenance(self.tokenizer, chunk) if provenance else None
+                if chat:
+                    data = chat_chunk(rid, model, chunk.text, chunk.finish_reason, first=is_first, provenance=prov)
+                else:
+                    data = completion_chunk(rid, model, chunk.text, chunk.finish_reason, provenance=prov)
+                is_first = False
+                yield f"data: {json.dumps(data)}\n\n"
+            final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                     "created": int(time.time()), "model": model, "choices": [],
+                                     "usage": run.usage().model_dump()}
+            yield f"data: {json.dumps(final)}\n\n"
+        except RequestError as e:
+            yield f"data: {json.dumps(error_body(e.message, e.type_, e.param, e.code))}\n\n"
+        yield "data: [DONE]\n\n"

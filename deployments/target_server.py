@@ -1,0 +1,147 @@
+"""TargetServer: the target model and its continuous-batching engine loop, one per replica.
+
+Speculating sequences get proposals through one batched call per step to a DraftServer
+replica (a DraftClient over a Serve handle, pinned to one draft replica by the affinity
+request router); an n-gram proposer runs in-process instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.handle import DeploymentHandle
+
+from app.config import AppConfig
+from app.draft_protocol import DraftClient, DraftStepRequest, DraftStepResponse, DraftUnavailable
+from app.engine import Overloaded, SpecEngine
+from app.engine_loop import EngineLoop, stream_updates
+from app.generation_protocol import GenerateChunk, GenerateRequest
+from app.model_runner import ContextOverflow, ModelRunner
+from app.policy import AcceptanceTracker, SpeculationPolicy
+from app.proposers import NgramProposer, Proposer
+from deployments.metrics_ray import ServeMetrics
+
+log = logging.getLogger("ray.serve")
+
+DRAFT_CALL_TIMEOUT_S = 10.0
+DRAFT_RETRY_AFTER_S = 2.0  # after a failed draft call, decode plainly this long before trying again
+
+
+class RemoteDraftTransport:
+    """Carries DraftStepRequests over a Serve handle; a dead draft makes the engine go plain."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+        self.down_until = 0.0
+
+    def __call__(self, request: DraftStepRequest) -> DraftStepResponse:
+        if time.monotonic() < self.down_until:
+            raise DraftUnavailable("draft replica recently failed; decoding plainly")
+        try:
+            return self.handle.step.remote(request).result(timeout_s=DRAFT_CALL_TIMEOUT_S)
+        except (RayError, TimeoutError) as e:
+            self.down_until = time.monotonic() + DRAFT_RETRY_AFTER_S
+            log.warning("draft call failed (%s); decoding plainly for %.1fs", type(e).__name__, DRAFT_RETRY_AFTER_S)
+            raise DraftUnavailable(str(e)) from e
+
+
+@serve.deployment
+class TargetServer:
+    def __init__(self, config: dict, draft: DeploymentHandle | None = None) -> None:
+        self.config = AppConfig.model_validate(config)
+        engine_cfg = self.config.engine
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        runner = ModelRunner(engine_cfg.target)
+        proposer: Proposer | None = None
+        if engine_cfg.speculation.proposer == "ngram":
+            proposer = NgramProposer(engine_cfg.speculation.ngram_min, engine_cfg.speculation.ngram_max)
+        elif draft is not None:
+            proposer = DraftClient(self.replica_id, RemoteDraftTransport(draft))
+        self.policy = SpeculationPolicy(acceptance=AcceptanceTracker(pair=self.config.model_name))
+        self.engine = SpecEngine(
+            runner, proposer, engine_cfg.limits, max_k=engine_cfg.speculation.max_speculative_tokens,
+            choose_k=self._choose_k,
+        )
+        self.metrics = ServeMetrics()
+        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+
+    # ---- adaptive k: re-decided per sequence per step from live acceptance and batch ----
+    def _choose_k(self, seq, batch_size: int) -> int:
+        # this sequence's own acceptance, shrunk towards the replica's live average
+        alpha = seq.stats.token_alpha(prior=self.policy.acceptance.alpha("default"))
+        return self.policy.choose_step_k(alpha, batch_size, max_k=seq.k, min_k=1, remaining_tokens=seq.remaining)
+
+    def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
+        times = engine.last_times
+        drafted = sum(u.drafted for u in updates)
+        accepted = sum(u.accepted for u in updates)
+        num_drafts = sum(1 for u in updates if u.drafted)
+        if drafted:
+            per_pos = [0] * max(u.drafted for u in updates)
+            for u in updates:
+                for i in range(u.accepted):
+                    per_pos[i] += 1
+            self.metrics.record_step(drafted, accepted, num_drafts, per_pos)
+            for u in updates:
+                if u.drafted:
+                    self.policy.acceptance.observe("default", u.drafted, u.accepted)
+        if times.batch_size:
+            kind = "verify" if times.num_speculating else "decode"
+            self.metrics.observe_step(kind, times.target)
+            self.policy.costs.observe_target(times.tokens_in_pass, times.target)
+        if times.draft:
+            self.metrics.observe_step("draft", times.draft)
+        self.metrics.set_load(len(engine.running), len(engine.waiting), engine.cached_tokens(), len(engine.running))
+
+    # ---- the request path ----
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        try:
+            queue = self.loop.submit(request.request_id, request.prompt_ids, request.sampling, request.k)
+        except Overloaded as e:
+            yield GenerateChunk([], "", None, error=f"server overloaded: {e}", status=429, replica=self.replica_id)
+            return
+        except (ValueError, ContextOverflow) as e:
+            yield GenerateChunk([], "", None, error=str(e), status=400, replica=self.replica_id)
+            return
+        finished = False
+        try:
+            async for u in stream_updates(queue, request.timeout_s):
+                finished = u.finish_reason is not None
+                yield GenerateChunk(u.token_ids, u.text, u.finish_reason, u.drafted, u.accepted, u.k, self.replica_id)
+        finally:
+            if not finished:  # client gone, deadline passed, or the router cancelled us
+                self.loop.cancel(request.request_id)
+
+    def load(self) -> dict:
+        return self.record_routing_stats()
+
+    def record_routing_stats(self) -> dict:
+        """Published to handles every request_routing_stats_period_s (fresher than Serve's metrics)."""
+        e = self.engine
+        return {
+            "running": len(e.running),
+            "waiting": len(e.waiting),
+            "max_num_seqs": e.limits.max_num_seqs,
+            "kv_tokens": e.cached_tokens(),
+            "last_step_s": self.loop.stats.last_step_s,
+            "draft_available": not isinstance(e.proposer, DraftClient)
+            or time.monotonic() >= e.proposer.transport.down_until,
+            "time": time.time(),
+        }
+
+    def num_cached_sequences(self) -> int:
+        return len(self.engine.running)
+
+    def check_health(self) -> None:
+        if not self.loop.thread.is_alive():
+            raise RuntimeError("engine loop thread died")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()

@@ -1,0 +1,83 @@
+"""Start the real application on a local Ray (CPU) for HTTP tests.
+
+`serve_app(overrides)` deploys configs/local.yaml's AppConfig with deep-merged overrides on
+a free loopback port and yields its base URL. Ray is started once per test session;
+each app is deleted at the end of its fixture so modules can deploy different shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from app.config import load_yaml
+
+LOCAL_ARGS: dict[str, Any] = load_yaml("configs/local.yaml")["applications"][0]["args"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def merged(base: dict, overrides: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[int]:
+    """A local Ray with Serve's HTTP proxy on a free loopback port; yields the port."""
+    import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+    ray.shutdown()
+
+
+@contextmanager
+def deployed(port: int, overrides: dict | None = None, name: str = "specserve") -> Iterator[str]:
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    args = merged(LOCAL_ARGS, overrides or {})
+    serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("application did not become healthy in 180 s")
+        time.sleep(0.5)
+    try:
+        yield base
+    finally:
+        serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def app_url(ray_cluster: int) -> Iterator[str]:
+    """The default local application (configs/local.yaml) for a test module."""
+    with deployed(ray_cluster) as base:
+        yield base
