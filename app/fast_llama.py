@@ -1,0 +1,130 @@
+"""A lean Llama forward over a static KV cache, captured as CUDA graphs: the GPU fast path.
+
+It loads the *same weights* as `LlamaForCausalLM` (taken from a loaded HF model) and
+computes the same function with fewer, larger kernels:
+  - q/k/v projections fused into one matmul, gate/up into another (4 GEMMs per layer);
+  - a static cache `[layers, batch, kv_heads, max_len, head_dim]` written in place at the
+    sequence positions, so rollback after a rejection is free: entries past a sequence's
+    length are masked by position and overwritten later;
+  - one CUDA graph per input width T (T=1 decode, T=k+1 verify), replayed with no host
+    synchronisation; the caller reads back only the accepted count.
+On the CPU it runs eagerly (used by the unit test that checks it against HF's logits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class FastLlama:
+    def __init__(self, hf_model: torch.nn.Module, max_batch: int = 1, max_len: int = 1024) -> None:
+        cfg = hf_model.config
+        self.device = next(hf_model.parameters()).device
+        self.dtype = next(hf_model.parameters()).dtype
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_batch, self.max_len = max_batch, max_len
+        m = hf_model.model
+        self.embed = m.embed_tokens.weight  # [vocab, hidden]
+        self.final_norm = m.norm.weight
+        self.lm_head = hf_model.lm_head.weight  # [vocab, hidden] (tied or not)
+        self.layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.layers.append({
+                "in_norm": layer.input_layernorm.weight,
+                "post_norm": layer.post_attention_layernorm.weight,
+                "wqkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),  # [(H+2KV)*D, hidden]
+                "wo": a.o_proj.weight,
+                "w_gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # [2*ffn, hidden]
+                "w_down": mlp.down_proj.weight,
+            })
+        self.ffn = self.layers[0]["w_down"].shape[1]
+        shape = (len(self.layers), max_batch, self.n_kv, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        inv_freq, scale = _rope_inv_freq(hf_model, self.device)
+        t = torch.arange(max_len, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_len, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * scale).to(self.dtype)  # [max_len, D]
+        self.sin = (emb.sin() * scale).to(self.dtype)
+        self.key_pos = torch.arange(max_len, device=self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # ---- the forward ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions: `[B, T]` -> logits `[B, T, vocab]`; writes K/V at `positions`."""
+        B, T = tokens.shape
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        x = F.embedding(tokens, self.embed)  # [B, T, hidden]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, T, D]
+        # key j is visible to query at position p iff j <= p: stale entries past p are masked
+        mask = self.key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)  # [B, 1, T, max_len]
+        batch_idx = torch.arange(B, device=tokens.device).view(B, 1).expand(B, T)
+        for i, L in enumerate(self.layers):
+            h = _rms_norm(x, L["in_norm"], self.eps)
+            qkv = h @ L["wqkv"].T  # [B, T, (H+2KV)*D]
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+            q = _rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)  # [B, H, T, D]
+            k = _rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)  # [B, KV, T, D]
+            v = v.view(B, T, KV, D).transpose(1, 2)
+            # write this step's K/V into the static cache at each row's positions
+            kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]  # [B, KV, max_len, D]
+            kc.permute(0, 2, 1, 3)[batch_idx, positions] = k.transpose(1, 2)
+            vc.permute(0, 2, 1, 3)[batch_idx, positions] = v.transpose(1, 2)
+            attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=(H != KV))
+            x = x + attn.transpose(1, 2).reshape(B, T, H * D) @ L["wo"].T
+            h = _rms_norm(x, L["post_norm"], self.eps)
+            gate, up = (h @ L["w_gate_up"].T).split(self.ffn, dim=-1)
+            x = x + (F.silu(gate) * up) @ L["w_down"].T
+        return _rms_norm(x, self.final_norm, self.eps) @ self.lm_head.T  # [B, T, vocab]
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+    def capture(self, width: int, batch: int = 1) -> None:
+        """Capture forward() for inputs `[batch, width]` as a CUDA graph (static buffers)."""
+        tokens = torch.zeros((batch, width), dtype=torch.long, device=self.device)
+        positions = torch.arange(width, device=self.device).view(1, -1).expand(batch, -1).contiguous()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels / allocator outside the graph
+                self.forward(tokens, positions)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.forward(tokens, positions)
+        self.graphs[(batch, width)] = (graph, tokens, positions, logits)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """forward() through a captured graph when one exists for this shape (else eagerly)."""
+        entry = self.graphs.get(tuple(tokens.shape))
+        if entry is None:
+            return self.forward(tokens, positions)
+        graph, tok_buf, pos_buf, logits = entry
+        tok_buf.copy_(tokens)
+        pos_buf.copy_(positions)
+        graph.replay()
+        return logits
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rope_inv_freq(hf_model: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, float]:
+    """Take HF's own rotary frequencies (handles llama3 / linear scaling) so both agree exactly."""
+    rotary = hf_model.model.rotary_emb
+    inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
+    return inv_freq, float(getattr(rotary, "attention_scaling", 1.0))
