@@ -51,14 +51,16 @@ def random_llama(shape: str):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    # Random weights give near-tied logits, so a one-token pass and a (k+1)-token pass can
-    # pick different argmaxes and the greedy "reference" continuation diverges for good after
-    # the first flip. Shrinking what each layer adds to the residual stream makes the argmax a
-    # stable function of the context; the bytes read per step (the cost) are unchanged.
+    # Random weights make a chaotic function: a one-token pass and a (k+1)-token pass pick
+    # different argmaxes after tiny rounding differences, and the greedy "reference"
+    # continuation diverges for good after the first flip (measured: acceptance ~0.03 at a
+    # nominal 0.9). Zeroing what each layer writes back into the residual stream makes the
+    # argmax a stable function of the current token. Every weight is still read by the same
+    # dense GEMMs, so the step's cost (what is measured here) does not change.
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(1e-3)
-            layer.mlp.down_proj.weight.mul_(1e-3)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
     return model
 
 
