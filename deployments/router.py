@@ -38,6 +38,20 @@ PLAYGROUND = Path(__file__).resolve().parent.parent / "app" / "static" / "playgr
 DEFAULT_MAX_TOKENS = 256
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str | None:
+    """The request field a validation error is about: pydantic puts union members in the loc
+    ("prompt.str", "prompt.list[int].0"); OpenAI's `param` names only the field ("prompt")."""
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, str) and (p in _UNION_TAGS or "[" in p):
+            break
+        parts.append(str(p))
+    return ".".join(parts) or None
+
+
 @serve.deployment
 @serve.ingress(fastapi_app)
 class Router:
@@ -132,9 +146,15 @@ class Router:
         try:
             return model.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(p) for p in err.get("loc", ())) or None
-            raise RequestError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param) from None
+            errors = e.errors()
+            err = errors[0]
+            param = _param(err.get("loc", ()))
+            msg = str(err.get("msg"))
+            if param and len(err.get("loc", ())) > param.count(".") + 1:  # a union: what each member wanted
+                n = param.count(".") + 1
+                msg = "; ".join(f"as {'.'.join(map(str, x['loc'][n:]))}: {x['msg']}"
+                                for x in errors if _param(x.get("loc", ())) == param)
+            raise RequestError(400, f"{param}: {msg}" if param else msg, param) from None
         except RecursionError:
             raise RequestError(400, "request body is nested too deeply") from None
 
@@ -180,12 +200,12 @@ class Router:
         self.metrics.record_decision("speculate" if decision.speculate else "plain", decision.reason)
         return decision
 
-    async def _sse(self, run: RequestRun, first: GenerateChunk, rid: str, chat: bool, provenance: bool):
+    async def _sse(self, run: RequestRun, first: GenerateChunk, rid: str, chat: bool, with_provenance: bool):
         model = self.config.model_name
         is_first = True
         try:
             async for chunk in run.chunks(first):
-                prov = provenance(self.tokenizer, chunk) if provenance else None
+                prov = provenance(self.tokenizer, chunk) if with_provenance else None
                 if chat:
                     data = chat_chunk(rid, model, chunk.text, chunk.finish_reason, first=is_first, provenance=prov)
                 else:
