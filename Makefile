@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 CONFIG  ?= configs/local.yaml
 
-.PHONY: setup run test test-unit test-serve stop clean
+.PHONY: setup run test test-unit clean
 
 $(BIN)/.ready: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,10 +26,6 @@ test: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
-
-stop:
-	-$(BIN)/serve shutdown -y
-	-$(BIN)/ray stop
 
 clean:
 	rm -rf $(VENV) .pytest_cache
