@@ -106,6 +106,8 @@ class DeploymentOptions(StrictModel):
     num_replicas: int | None = Field(1, ge=1)
     autoscaling_config: dict[str, float | int | str] | None = None
     max_ongoing_requests: int = Field(64, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1, description="Serve rejects calls queued beyond this "
+                                     "(the router answers 503 + Retry-After); -1 = unbounded")
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
 

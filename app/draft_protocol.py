@@ -10,6 +10,7 @@ by prefill. A wrong token is never possible, only a slower step.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -102,6 +103,7 @@ class DraftClient(Proposer):
         self.transport = transport
         self.sent: dict[str, list[int]] = {}  # what we believe the draft holds per sequence
         self.pending_release: list[str] = []
+        self._release_lock = threading.Lock()  # release() and an idle flush() run on different threads
         self.resends = 0
         self.last_exchange_s = 0.0
         self.last_draft_s = 0.0
@@ -138,14 +140,25 @@ class DraftClient(Proposer):
         return [proposals.get(r.seq_id, Proposal([])) for r in requests]
 
     def _call(self, seqs: list[DraftSeqDelta]) -> DraftStepResponse:
-        request = DraftStepRequest(self.client_id, seqs, self.pending_release)
-        self.pending_release = []
+        with self._release_lock:
+            request = DraftStepRequest(self.client_id, seqs, self.pending_release)
+            self.pending_release = []
         try:
             return self.transport(request)
         except DraftUnavailable:
             self.sent.clear()  # whatever answers next may hold nothing
+            # a live but slow draft still holds these: tell it next time (unknown ids are ignored)
+            with self._release_lock:
+                self.pending_release = request.release + self.pending_release
             raise
 
     def release(self, seq_id: str) -> None:
         if self.sent.pop(seq_id, None) is not None:
-            self.pending_release.append(seq_id)
+            with self._release_lock:
+                self.pending_release.append(seq_id)
+
+    def flush(self) -> None:
+        """Send pending releases now (they otherwise ride on the next step call, which an
+        idle or non-speculating replica may never make); raises DraftUnavailable."""
+        if self.pending_release:
+            self._call([])

@@ -61,6 +61,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop:
             if not self.engine.has_work():
+                self._flush_releases()
                 self.wake.wait(timeout=0.5)
                 self.wake.clear()
                 continue
@@ -86,6 +87,16 @@ class EngineLoop:
                     loop.call_soon_threadsafe(queue.put_nowait, update)
             if self.on_step is not None:
                 self.on_step(self.engine, updates, elapsed)
+
+    def _flush_releases(self) -> None:
+        """Idle: free finished/cancelled sequences on the draft replica now, not at the next step."""
+        flush = getattr(self.engine.proposer, "flush", None)
+        if flush is None:
+            return
+        try:
+            flush()  # not under self.lock: a slow draft must not block submit/cancel
+        except Exception as e:  # noqa: BLE001 — a draft that is down holds nothing worth freeing
+            log.debug("releasing draft caches failed: %s", e)
 
     def _fail_all(self, error: Exception) -> None:
         for seq_id, (loop, queue) in list(self.queues.items()):

@@ -23,6 +23,7 @@ ROUTING_STATS_PERIOD_S = 1.0  # fresher than Serve's 10 s default: the policy re
 def _options(opts: DeploymentOptions, custom_router: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "max_ongoing_requests": opts.max_ongoing_requests,
+        "max_queued_requests": opts.max_queued_requests,
         "ray_actor_options": {"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus},
     }
     if opts.autoscaling_config is not None:

@@ -13,7 +13,8 @@ import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi.responses import JSONResponse
-from ray.exceptions import RayError
+from ray.exceptions import RayError, TaskCancelledError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from app.acceptance import AcceptanceStats
 from app.generation_protocol import GenerateChunk, GenerateRequest
@@ -25,6 +26,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ray.serve")
 MAX_FAILOVERS = 3
+# The router's own deadline runs this much past the target's (request_timeout_s), so a
+# target that is alive answers its own TimeoutError first; a hung one is cut off here.
+DEADLINE_GRACE_S = 2.0
+
+
+def timeout_error(timeout_s: float) -> "RequestError":
+    return RequestError(504, f"request exceeded its {timeout_s:g}s deadline (engine.limits.request_timeout_s)",
+                        type_="timeout_error", code="request_timeout")
 
 
 class RequestError(Exception):
@@ -49,26 +58,41 @@ class RequestRun:
         self.tokens: list[int] = []
         self.stats = AcceptanceStats()
         self.started = time.monotonic()
+        self.deadline = self.started + request.timeout_s
         self.first_token_at: float | None = None
+        self.replica = ""  # the target replica that streamed the last chunk
         self._stream: AsyncIterator[GenerateChunk] | None = None
         self._response = None
 
     def _open(self) -> AsyncIterator[GenerateChunk]:
         r = self.request
         sampling = r.sampling.model_copy(update={"max_tokens": r.sampling.max_tokens - len(self.tokens)})
+        # a re-issued request gets what is left of the deadline, not a fresh one
+        timeout_s = max(0.05, self.deadline - time.monotonic())
         req = GenerateRequest(f"{r.request_id}-{uuid.uuid4().hex[:6]}", r.prompt_ids + self.tokens, sampling,
-                              r.k, r.timeout_s)
+                              r.k, timeout_s)
         self._response = self.router.target.options(stream=True).generate.remote(req)
         return self._response.__aiter__()
+
+    def _cancel(self) -> None:
+        if self._response is None:
+            return
+        try:
+            self._response.cancel()
+        except Exception:  # noqa: BLE001 — cancel() re-raises a failed assignment (e.g. BackPressureError)
+            pass
 
     async def first(self) -> GenerateChunk:
         """Admission: the first chunk (or a 4xx/429 before any byte of the response is sent)."""
         self.router.in_flight += 1
+        self.router.active_runs.add(self)
         try:
             async for chunk in self._attempts():
                 return chunk
         except BaseException:
             self.router.in_flight -= 1
+            self.router.active_runs.discard(self)
+            self._cancel()
             raise
         raise RequestError(500, "target produced no output", type_="server_error")
 
@@ -84,8 +108,8 @@ class RequestRun:
                         break
         finally:
             self.router.in_flight -= 1
-            if self._response is not None:
-                self._response.cancel()  # client gone or done: the target frees the sequence
+            self.router.active_runs.discard(self)
+            self._cancel()  # client gone or done: the target frees the sequence
 
     async def _attempts(self, resume: bool = False) -> AsyncIterator[GenerateChunk]:
         failures = 0
@@ -94,7 +118,14 @@ class RequestRun:
             if stream is None:
                 stream = self._stream = self._open()
             try:
-                async for chunk in stream:
+                while True:
+                    remaining = self.deadline + DEADLINE_GRACE_S - time.monotonic()
+                    try:
+                        chunk = await asyncio.wait_for(stream.__anext__(), timeout=max(remaining, 0.01))
+                    except StopAsyncIteration:
+                        return
+                    except asyncio.TimeoutError:  # the target neither answered nor timed out itself
+                        raise timeout_error(self.request.timeout_s) from None
                     if chunk.error:
                         headers = {"Retry-After": "1"} if chunk.status == 429 else None
                         raise RequestError(chunk.status, chunk.error, type_="server_overloaded"
@@ -103,14 +134,27 @@ class RequestRun:
                     yield chunk
                     if chunk.finish_reason is not None:
                         return
-                return
+            except TimeoutError as e:
+                # the target's own deadline (a RayTaskError that is also a TimeoutError): not a
+                # replica failure, so no re-issue
+                raise timeout_error(self.request.timeout_s) from e
+            except TaskCancelledError:
+                raise  # we (or Serve, for a gone client) cancelled it: nothing to re-issue
+            except (BackPressureError, DeploymentUnavailableError) as e:
+                raise RequestError(503, f"no target replica can take this request now ({type(e).__name__}); "
+                                        "retry later", type_="server_overloaded", code="service_unavailable",
+                                   headers={"Retry-After": "1"}) from None
             except (RayError, ConnectionError) as e:
+                # ActorDiedError / ActorUnavailableError (both RayActorError) when a replica dies
+                # mid-stream; RayTaskError when its engine failed the step
                 failures += 1
+                self.router.failovers += 1
                 log.warning("target replica failed mid-request (%s); re-issuing with %d streamed tokens",
                             type(e).__name__, len(self.tokens))
                 if failures > MAX_FAILOVERS:
                     raise RequestError(503, "target replicas keep failing; retry later", type_="server_error",
                                        headers={"Retry-After": "5"}) from e
+                self._cancel()
                 await asyncio.sleep(0.2 * failures)
                 stream = None
 
@@ -119,6 +163,7 @@ class RequestRun:
             self.first_token_at = time.monotonic()
             self.router.metrics.observe_ttft(self.first_token_at - self.started)
         self.tokens += chunk.token_ids
+        self.replica = chunk.replica or self.replica
         self.stats.record(chunk.drafted, chunk.accepted)
         if chunk.drafted:
             self.router.policy.observe_verification(self.prompt_class, chunk.drafted, chunk.accepted)

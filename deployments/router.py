@@ -38,6 +38,25 @@ PLAYGROUND = Path(__file__).resolve().parent.parent / "app" / "static" / "playgr
 DEFAULT_MAX_TOKENS = 256
 
 
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.rsplit("/", 1)[1]], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+def _json_body(model) -> dict[str, Any]:
+    """OpenAPI request body for a handler that parses its raw Request (to answer 400, not 422)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _inline_refs(schema, defs)}}}}
+
+
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -65,6 +84,8 @@ class Router:
         self.policy = SpeculationPolicy()
         self.metrics = ServeMetrics()
         self.in_flight = 0
+        self.failovers = 0  # target replica failures survived by re-issuing (RequestRun)
+        self.active_runs: set[RequestRun] = set()
 
     # ---- routes ----------------------------------------------------------------------
     @fastapi_app.get("/health")
@@ -86,13 +107,21 @@ class Router:
             return FileResponse(PLAYGROUND, media_type="text/html")
         return JSONResponse({"message": "specserve: POST /v1/completions"})
 
-    @fastapi_app.post("/v1/completions")
+    @fastapi_app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(self, request: Request):
         return await self._handle(request, chat=False)
 
-    @fastapi_app.post("/v1/chat/completions")
+    @fastapi_app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request):
         return await self._handle(request, chat=True)
+
+    def reliability_state(self) -> dict[str, Any]:
+        """For tests and bench/soak.py (via a handle): in-flight requests per target replica."""
+        by_replica: dict[str, int] = {}
+        for run in self.active_runs:
+            if run.replica:
+                by_replica[run.replica] = by_replica.get(run.replica, 0) + 1
+        return {"in_flight": self.in_flight, "failovers": self.failovers, "by_replica": by_replica}
 
     # ---- request handling --------------------------------------------------------------
     async def _handle(self, request: Request, chat: bool):
@@ -141,8 +170,16 @@ class Router:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(400, "request body is nested too deeply") from None
         if not isinstance(data, dict):
             raise RequestError(400, "request body must be a JSON object")
+        try:  # a "\ud800" escape decodes to a lone surrogate, which the tokenizer cannot take
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(400, "request body contains a lone UTF-16 surrogate escape") from None
+        except RecursionError:
+            raise RequestError(400, "request body is nested too deeply") from None
         try:
             return model.model_validate(data)
         except ValidationError as e:
@@ -218,4 +255,7 @@ class Router:
             yield f"data: {json.dumps(final)}\n\n"
         except RequestError as e:
             yield f"data: {json.dumps(error_body(e.message, e.type_, e.param, e.code))}\n\n"
+        except Exception as e:  # noqa: BLE001 — headers are sent: end the stream with an error event
+            log.exception("stream failed")
+            yield f"data: {json.dumps(error_body(f'internal error: {type(e).__name__}', 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"

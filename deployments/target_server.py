@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from ray import serve
 from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from app.config import AppConfig
@@ -28,8 +29,12 @@ from deployments.metrics_ray import ServeMetrics
 
 log = logging.getLogger("ray.serve")
 
-DRAFT_CALL_TIMEOUT_S = 10.0
+# A draft step takes milliseconds; the engine step (every sequence of the replica) waits on
+# this call, so a draft that is gone must cost little. With no draft replica left (the last one
+# was killed) Serve queues the call until a replacement starts: that wait is cut off here.
+DRAFT_CALL_TIMEOUT_S = 3.0
 DRAFT_RETRY_AFTER_S = 2.0  # after a failed draft call, decode plainly this long before trying again
+DRAFT_RETRY_AFTER_MAX_S = 30.0  # ... doubling while calls keep failing
 
 
 class RemoteDraftTransport:
@@ -38,16 +43,26 @@ class RemoteDraftTransport:
     def __init__(self, handle: DeploymentHandle) -> None:
         self.handle = handle
         self.down_until = 0.0
+        self.failures = 0  # consecutive failed calls
 
     def __call__(self, request: DraftStepRequest) -> DraftStepResponse:
         if time.monotonic() < self.down_until:
             raise DraftUnavailable("draft replica recently failed; decoding plainly")
+        response = self.handle.step.remote(request)
         try:
-            return self.handle.step.remote(request).result(timeout_s=DRAFT_CALL_TIMEOUT_S)
-        except (RayError, TimeoutError) as e:
-            self.down_until = time.monotonic() + DRAFT_RETRY_AFTER_S
-            log.warning("draft call failed (%s); decoding plainly for %.1fs", type(e).__name__, DRAFT_RETRY_AFTER_S)
+            result = response.result(timeout_s=DRAFT_CALL_TIMEOUT_S)
+        except (RayError, RayServeException, TimeoutError) as e:
+            try:
+                response.cancel()  # don't leave a queued call to run on the replacement later
+            except Exception:  # noqa: BLE001 — cancel() re-raises a failed assignment
+                pass
+            self.failures += 1
+            wait = min(DRAFT_RETRY_AFTER_MAX_S, DRAFT_RETRY_AFTER_S * 2 ** (self.failures - 1))
+            self.down_until = time.monotonic() + wait
+            log.warning("draft call failed (%s); decoding plainly for %.1fs", type(e).__name__, wait)
             raise DraftUnavailable(str(e)) from e
+        self.failures = 0
+        return result
 
 
 @serve.deployment
