@@ -23,8 +23,10 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -273,7 +275,12 @@ def _free_port() -> int:
 
 
 def start_app(config: str, overrides: dict[str, Any], num_cpus: int) -> str:
-    """A fresh local Ray (never an existing one) with the app on a free loopback port."""
+    """A fresh local Ray (never an existing one) with the app on a free loopback port.
+
+    Ray gets its own temp dir (RAY_TMPDIR): that is where it writes `ray_current_cluster`, so
+    other `ray.init()` calls on the machine (tests running beside the soak) never find this one.
+    """
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="soak", dir="/tmp")
     import ray
     from ray import serve
 
@@ -339,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
     return 1 if report.failed else 0
 
 

@@ -115,8 +115,9 @@ class Router:
     async def chat_completions(self, request: Request):
         return await self._handle(request, chat=True)
 
-    def reliability_state(self) -> dict[str, Any]:
-        """For tests and bench/soak.py (via a handle): in-flight requests per target replica."""
+    async def reliability_state(self) -> dict[str, Any]:
+        """For tests and bench/soak.py (via a handle): in-flight requests per target replica.
+        Async: it runs on the event loop that mutates active_runs, never beside it."""
         by_replica: dict[str, int] = {}
         for run in self.active_runs:
             if run.replica:
