@@ -16,7 +16,7 @@ from app.engine import SpecEngine
 from app.proposers import DraftModelProposer, NgramProposer
 from app.proposers.oracle import OracleProposer
 
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 KINDS = ["draft_model", "ngram", "always_right", "always_wrong"]
 
 
@@ -32,7 +32,7 @@ def _proposer(kind, draft_runner, target_runner, references):
 def _prompts_for(k: int, prompts: list[str]) -> list[str]:
     """Every k sees code and prose; across k every prompt is used with every proposer."""
     n = len(prompts)
-    return [prompts[(k * 3 + j) % n] for j in range(6)]
+    return [prompts[(k * 3 + j) % n] for j in range(5)]
 
 
 @pytest.mark.parametrize("k", range(1, 9))
