@@ -110,6 +110,8 @@ class DeploymentOptions(StrictModel):
                                      "(the router answers 503 + Retry-After); -1 = unbounded")
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] | None = Field(
+        None, description="Ray custom resources per replica, e.g. {draft_node: 0.01} to pin a pool to nodes")
 
     @model_validator(mode="after")
     def _check(self) -> "DeploymentOptions":

@@ -26,6 +26,8 @@ def _options(opts: DeploymentOptions, custom_router: bool) -> dict[str, Any]:
         "max_queued_requests": opts.max_queued_requests,
         "ray_actor_options": {"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus},
     }
+    if opts.resources:
+        out["ray_actor_options"]["resources"] = dict(opts.resources)
     if opts.autoscaling_config is not None:
         out["autoscaling_config"] = dict(opts.autoscaling_config)
         out["num_replicas"] = "auto"

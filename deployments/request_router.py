@@ -23,6 +23,21 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 LOAD_REGISTRY: dict[str, dict[str, tuple[dict[str, Any], float]]] = {}
 
 
+def load_registry() -> dict[str, dict[str, tuple[dict[str, Any], float]]]:
+    """The process's LOAD_REGISTRY. Use this, never the `LOAD_REGISTRY` name, from code Serve
+    may ship by value.
+
+    Serve ships a custom request router class to the handle's process cloudpickled *by value*
+    (RequestRouterConfig registers this module with `register_pickle_by_value`), so the class's
+    methods see a private copy of this module's globals; an ingress class is shipped by value too
+    (its referenced globals copied). Both writing and reading the bare name would each touch a
+    private dict. Looking the module up by name at call time finds the one real registry.
+    """
+    import importlib
+
+    return importlib.import_module("deployments.request_router").LOAD_REGISTRY
+
+
 def _affinity_key(request: PendingRequest | None) -> str | None:
     if request is None:
         return None
@@ -49,7 +64,7 @@ class AffinityRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         now = time.monotonic()
-        registry = LOAD_REGISTRY.setdefault(self._deployment_id.name, {})
+        registry = load_registry().setdefault(self._deployment_id.name, {})
         for r in candidate_replicas:
             registry[r.replica_id.unique_id] = (dict(r.routing_stats or {}), now)
         live = {r.replica_id.unique_id for r in candidate_replicas}

@@ -29,13 +29,14 @@ from app.openai_protocol import (
 )
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
 from deployments.metrics_ray import ServeMetrics
-from deployments.request_router import LOAD_REGISTRY
+from deployments.request_router import load_registry
 from deployments.request_run import RequestError, RequestRun, provenance
 
 log = logging.getLogger("ray.serve")
 fastapi_app = FastAPI(title="specserve", description="speculative decoding on Ray Serve")
 PLAYGROUND = Path(__file__).resolve().parent.parent / "app" / "static" / "playground.html"
 DEFAULT_MAX_TOKENS = 256
+STATS_FRESH_S = 3.0  # published running/waiting older than this are not trusted (stats period: 1 s)
 
 
 def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
@@ -124,6 +125,24 @@ class Router:
                 by_replica[run.replica] = by_replica.get(run.replica, 0) + 1
         return {"in_flight": self.in_flight, "failovers": self.failovers, "by_replica": by_replica}
 
+    async def policy_state(self) -> dict[str, Any]:
+        """For tests and benches (via a handle): what the policy has learned, and the load it sees.
+        Async: it runs on the event loop that decides (and ingests), never beside it.
+
+        `ingested` maps target replica -> last publication `seq` taken into the cost model;
+        `target_curve` / `draft_curve` are (tokens or batch, seconds, measured?) per grid point."""
+        costs = self.policy.costs
+        return {
+            "load": self._load().model_dump(mode="json"),
+            "ingested": dict(self.policy._seen),
+            "target_curve": [p for p in costs.target.points() if p[2]],
+            "draft_curve": [p for p in costs.draft.points() if p[2]],
+            "exchange_s": costs.t_exchange,
+            "alpha": {c: self.policy.acceptance.alpha(c) for c in ("code", "prose", "chat")},
+            "registry": {name: {r: {"stats": s, "seen_s_ago": time.monotonic() - t} for r, (s, t) in dict(reps).items()}
+                         for name, reps in dict(load_registry()).items()},
+        }
+
     # ---- request handling --------------------------------------------------------------
     async def _handle(self, request: Request, chat: bool):
         try:
@@ -209,22 +228,30 @@ class Router:
         return list(body.prompt), self.tokenizer.decode(body.prompt)
 
     def _load(self) -> LoadSnapshot:
-        replicas = LOAD_REGISTRY.get("TargetServer", {})
+        replicas = load_registry().get("TargetServer", {})
         now = time.monotonic()
-        fresh = [(s, now - t) for s, t in replicas.values() if s]
+        fresh = [(r, (s, now - t)) for r, (s, t) in replicas.items() if s]
         if not fresh:
             return LoadSnapshot(running_sequences=max(0, self.in_flight), draft_available=self.has_draft)
-        stats, age = min(fresh, key=lambda x: x[0].get("running", 0) + x[0].get("waiting", 0))
+        replica, (stats, _age) = min(fresh, key=lambda rx: rx[1][0].get("running", 0) + rx[1][0].get("waiting", 0))
         # The router's own in-flight count per replica is fresher than published stats.
         mine = self.in_flight // max(1, len(fresh))
+        # The registry holds what the replica published as of this router's last routing: after an
+        # idle spell it still describes the last burst. Past a few publication periods, trust only
+        # the in-flight count (else the first request after load falls is decided at the old peak).
+        published_age = time.time() - float(stats.get("time", 0.0))
+        counts = stats if published_age <= STATS_FRESH_S else {}
         return LoadSnapshot(
-            running_sequences=max(int(stats.get("running", 0)), mine),
-            queue_length=int(stats.get("waiting", 0)),
+            running_sequences=max(int(counts.get("running", 0)), mine),
+            queue_length=int(counts.get("waiting", 0)),
             max_num_seqs=int(stats.get("max_num_seqs", 32)),
             draft_available=bool(stats.get("draft_available", True)) and self.has_draft,
             age_s=0.0,  # the in-flight count keeps it current even when stats lag
+            # measured step times (TargetServer.StepWindow); `seq` makes the policy ingest each
+            # publication once, not once per request decided while it is the latest
+            replica=replica, seq=int(stats.get("seq", 0)),
             **{k: stats[k] for k in ("decode_step_s", "decode_tokens", "verify_step_s", "verify_tokens",
-                                     "draft_step_s", "draft_batch") if stats.get(k)},
+                                     "draft_step_s", "draft_batch", "exchange_s") if stats.get(k)},
         )
 
     def _decide(self, body, sampling, prompt_tokens: int, text: str, chat: bool) -> SpeculationDecision:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.exceptions import RayError
@@ -65,6 +66,63 @@ class RemoteDraftTransport:
         return result
 
 
+class StepWindow:
+    """Measured step times for the router's cost model, one window per publication.
+
+    The engine loop thread adds every step; `publish()` (Serve's record_routing_stats, ~1/s)
+    closes the window and returns the mean time and mean tokens per kind measured in it, under a
+    new `seq`. The router's policy ingests each seq once (SpeculationPolicy.ingest dedupes on
+    (replica, seq)). A window with no step re-sends the previous figures under the same seq; a
+    kind with no step in a window is left out of that window's figures.
+    Kinds: decode (no sequence speculated: tokens = batch), verify (some did: tokens = every
+    token of the pass), draft (seconds per draft step at the draft batch = speculating
+    sequences), exchange (the draft call's hop, outside the draft's own compute).
+    """
+
+    KINDS = ("decode", "verify", "draft", "exchange")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sums = self._empty()
+        self.seq = 0
+        self.last: dict[str, Any] = {}
+
+    @staticmethod
+    def _empty() -> dict[str, list[float]]:
+        return {kind: [0.0, 0.0, 0] for kind in StepWindow.KINDS}  # seconds, tokens, count
+
+    def add(self, kind: str, seconds: float, tokens: float = 0.0) -> None:
+        if seconds <= 0:
+            return
+        with self._lock:
+            acc = self._sums[kind]
+            acc[0] += seconds
+            acc[1] += tokens
+            acc[2] += 1
+
+    def publish(self) -> dict[str, Any]:
+        with self._lock:
+            sums, self._sums = self._sums, self._empty()
+        out: dict[str, Any] = {}
+        for kind, key_s, key_n in (("decode", "decode_step_s", "decode_tokens"),
+                                   ("verify", "verify_step_s", "verify_tokens"),
+                                   ("draft", "draft_step_s", "draft_batch")):
+            seconds, tokens, n = sums[kind]
+            if n:
+                out[key_s] = seconds / n
+                out[key_n] = max(1, round(tokens / n))
+        seconds, _, n = sums["exchange"]
+        if n:
+            out["exchange_s"] = seconds / n
+        if out:
+            self.seq += 1
+            self.last = {**out, "seq": self.seq}
+        # An idle window re-sends the latest measurements under their old seq: the router samples
+        # the stats only when it routes a request, so the figures must outlive their window; the
+        # unchanged seq keeps it from ingesting them twice.
+        return dict(self.last) if self.last else {"seq": 0}
+
+
 @serve.deployment
 class TargetServer:
     def __init__(self, config: dict, draft: DeploymentHandle | None = None) -> None:
@@ -83,6 +141,7 @@ class TargetServer:
             choose_k=self._choose_k,
         )
         self.metrics = ServeMetrics()
+        self.window = StepWindow()  # measured step times, published in record_routing_stats
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
 
     # ---- adaptive k: re-decided per sequence per step from live acceptance and batch ----
@@ -109,9 +168,26 @@ class TargetServer:
             kind = "verify" if times.num_speculating else "decode"
             self.metrics.observe_step(kind, times.target)
             self.policy.costs.observe_target(times.tokens_in_pass, times.target)
+            self.window.add(kind, times.target, times.tokens_in_pass)
         if times.draft:
             self.metrics.observe_step("draft", times.draft)
+            self._observe_draft(engine, times.draft, times.num_speculating, max((u.drafted for u in updates), default=0))
         self.metrics.set_load(len(engine.running), len(engine.waiting), engine.cached_tokens(), len(engine.running))
+
+    def _observe_draft(self, engine: SpecEngine, total_s: float, batch: int, depth: int) -> None:
+        """Split a step's proposal time into per-draft-step compute and the exchange hop."""
+        if batch <= 0 or depth <= 0:
+            return  # the draft was down (plain step): nothing was drafted
+        proposer = engine.proposer
+        if isinstance(proposer, DraftClient):
+            compute, hop = proposer.last_draft_s, proposer.last_exchange_s
+        else:  # in-process proposer (n-gram): no hop
+            compute, hop = total_s, 0.0
+        per_step = compute / depth  # the draft runs `depth` batched steps (the deepest sequence's k)
+        self.policy.costs.observe_draft(batch, per_step)
+        self.policy.costs.observe_exchange(hop)
+        self.window.add("draft", per_step, batch)
+        self.window.add("exchange", max(hop, 1e-9))
 
     # ---- the request path ----
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -133,10 +209,16 @@ class TargetServer:
                 self.loop.cancel(request.request_id)
 
     def load(self) -> dict:
-        return self.record_routing_stats()
+        """The load figures with the last published measurements (does not close the window)."""
+        return {**self._load_figures(), **self.window.last}
 
     def record_routing_stats(self) -> dict:
-        """Published to handles every request_routing_stats_period_s (fresher than Serve's metrics)."""
+        """Published to handles every request_routing_stats_period_s (fresher than Serve's metrics):
+        load, plus the mean step times measured since the last publication (StepWindow), which
+        the router's policy learns its cost curves from."""
+        return {**self._load_figures(), **self.window.publish()}
+
+    def _load_figures(self) -> dict:
         e = self.engine
         return {
             "running": len(e.running),

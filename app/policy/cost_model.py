@@ -74,7 +74,10 @@ class CostCurve:
     the measurement at that token count without snapping it to a grid point.
     Grid points never measured follow the default shape scaled by the measured/default ratio of
     their measured neighbours: one measurement at batch 1 that is 3x the prior rescales the whole
-    curve instead of leaving a cliff between measured and unmeasured points.
+    curve instead of leaving a cliff between measured and unmeasured points. Past the widest
+    measured point, where the measurements already climb faster than the prior's shape (on a CPU
+    the time grows from the first token; the prior is flat up to its knee), the measured slope is
+    continued instead, so a wider pass never looks as cheap as the widest one measured.
     """
 
     def __init__(self, base_s: float, knee_tokens: float, decay: float = 0.1, grid: Sequence[int] = DEFAULT_GRID) -> None:
@@ -108,6 +111,17 @@ class CostCurve:
                 n = left if left is not None else right
                 ratio = self._value[n] / self._default[n]
             out.append(d * ratio)
+        if len(seen) >= 2:
+            # Past the widest measured pass the prior's shape alone would keep a flat stretch (below
+            # its knee) even where the measurements already climb, so wider passes (verify at high
+            # load) would look as cheap as the widest one measured. Continue the measured slope
+            # instead — from the widest point back to one with at most half its tokens, a baseline
+            # wide enough not to amplify noise — whenever that is the higher estimate.
+            last = seen[-1]
+            base = next((j for j in reversed(seen[:-1]) if self._grid[j] <= self._grid[last] / 2), seen[0])
+            slope = max(0.0, (self._value[last] - self._value[base]) / (self._grid[last] - self._grid[base]))
+            for i in range(last + 1, len(out)):
+                out[i] = max(out[i], self._value[last] + slope * (self._grid[i] - self._grid[last]))
         self._filled = out
         return out
 

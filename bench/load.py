@@ -1,0 +1,333 @@
+"""Concurrency sweep against the running application: speculation forced on, forced off, and auto.
+
+    .venv/bin/python -m bench.load --start                      # deploys its own app (own Ray), ~9 min
+    .venv/bin/python -m bench.load --url http://127.0.0.1:8000  # an app already running (make run)
+    .venv/bin/python -m bench.load --start --levels 1,4,16 --duration 15
+
+For each concurrency level c (default 1,2,4,8,16,32) and each policy (`speculation` "on",
+"off", "auto" in every request), c closed-loop clients stream completions for `--warmup` +
+`--duration` seconds: each client sends a request, reads its SSE stream to the end, and sends
+the next. Requests: code prompts, greedy, ignore_eos, `--max-tokens` tokens ("on" uses the
+policy's default k). After each (level, policy) cell the clients stop and their open streams
+are closed (the server aborts those sequences), so cells do not overlap. The order of the three
+policies rotates from level to level so a drift in the machine's load does not always hit the
+same one. The app is shared by the cells: "auto" decides from what the router has measured so
+far, including the forced cells' traffic (that is how it learns on a live service).
+
+Per cell:
+- goodput: output tokens streamed inside the measured window / window seconds (tokens counted
+  as their SSE events arrive — `return_provenance` lists each event's tokens — so requests
+  straddling the window edges count their share);
+- latency p50/p99: end-to-end seconds of the requests that started and finished in the window;
+- acceptance: accepted / drafted tokens over those requests;
+- for auto: how many of its requests speculated, and the decision reasons.
+Prints a table, writes `--json` (bench/results/load-cpu.json) and draws `--png` (bench/load.png),
+with the target check: auto within 3% of the better fixed policy at every level, above both
+somewhere; and, since goodput differences on a shared machine can be noise, whether most of
+auto's requests took the mode (speculate or not) of the fixed policy that measured better.
+
+`--start` runs the app in a child process with its own Ray (bench/app_process.AppProcess) and
+configs/local.yaml's pair, with max_num_seqs raised to the largest level so every stream is in
+the batch (the policy decides on batch size; a queue would be a different experiment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.config import PROJECT_ROOT
+
+MODEL = "specserve-embedded"
+PROMPTS = [
+    "def read_config(path):\n",
+    "import os\nimport sys\n\n\ndef main(",
+    "class Stack:\n    def __init__(self):\n",
+    "for index, value in enumerate(items):\n",
+    "def fib(n):\n    if n < 2:\n",
+    "    def __repr__(self):\n        return",
+    'def parse_header(line):\n    """Split a header line into name and value."""\n',
+    "import json\n\n\ndef load(path):\n    with open(path) as f:\n",
+]
+POLICIES = ("on", "off", "auto")
+LEVELS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class Cell:
+    policy: str
+    concurrency: int
+    seconds: float
+    tokens: int
+    goodput_tok_s: float
+    completed: int
+    failed: int
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    acceptance_rate: float | None
+    speculated: int = 0  # requests whose decision was to speculate
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+class Window:
+    def __init__(self, start: float, end: float) -> None:
+        self.start, self.end = start, end
+        self.tokens = 0
+        self.latencies: list[float] = []
+        self.drafted = self.accepted = self.failed = self.speculated = 0
+        self.reasons: Counter[str] = Counter()
+
+    def inside(self, t: float) -> bool:
+        return self.start <= t < self.end
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], w: Window) -> None:
+    """One streamed completion; tokens are credited to the window as their events arrive."""
+    t0 = time.monotonic()
+    usage = None
+    done = False
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            await r.aread()
+            if w.inside(time.monotonic()):
+                w.failed += 1
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            if payload == "[DONE]":
+                done = True
+                break
+            data = json.loads(payload)
+            if "error" in data:
+                if w.inside(time.monotonic()):
+                    w.failed += 1
+                return
+            if data.get("usage"):
+                usage = data["usage"]
+                continue
+            if w.inside(time.monotonic()):
+                # one event per engine step; return_provenance lists its tokens (exact count)
+                w.tokens += len((data.get("specserve") or {}).get("tokens", ()))
+    t1 = time.monotonic()
+    if done and usage and w.inside(t0) and w.inside(t1):
+        w.latencies.append(t1 - t0)
+        spec = usage.get("speculation") or {}
+        w.drafted += spec.get("drafted_tokens", 0)
+        w.accepted += spec.get("accepted_tokens", 0)
+        w.speculated += spec.get("mode") == "speculative"
+        w.reasons[spec.get("reason", "?")] += 1
+
+
+async def run_cell(url: str, policy: str, c: int, warmup_s: float, duration_s: float, max_tokens: int) -> Cell:
+    t_start = time.monotonic()
+    w = Window(t_start + warmup_s, t_start + warmup_s + duration_s)
+    stop = asyncio.Event()
+
+    async def client_loop(i: int, client: httpx.AsyncClient) -> None:
+        n = 0
+        while not stop.is_set():
+            body = {"model": MODEL, "prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0, "stream": True, "speculation": policy,
+                    "return_provenance": True}
+            n += 1
+            try:
+                await stream_one(client, url, body, w)
+            except (httpx.HTTPError, json.JSONDecodeError):
+                if w.inside(time.monotonic()):
+                    w.failed += 1
+                await asyncio.sleep(0.2)
+
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(trust_env=False, limits=limits) as client:
+        tasks = [asyncio.create_task(client_loop(i, client)) for i in range(c)]
+        await asyncio.sleep(max(0.0, w.end - time.monotonic()))
+        stop.set()
+        for t in tasks:  # close the open streams: the router cancels, the engine frees them
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    seconds = w.end - w.start
+    return Cell(
+        policy=policy, concurrency=c, seconds=round(seconds, 2), tokens=w.tokens,
+        goodput_tok_s=round(w.tokens / seconds, 2), completed=len(w.latencies), failed=w.failed,
+        latency_p50_s=_r(percentile(w.latencies, 50)), latency_p99_s=_r(percentile(w.latencies, 99)),
+        acceptance_rate=round(w.accepted / w.drafted, 3) if w.drafted else None,
+        speculated=w.speculated, reasons=dict(w.reasons),
+    )
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+async def wait_idle(url: str) -> None:
+    """Between cells: let the engine finish aborting the last cell's sequences."""
+    await asyncio.sleep(1.0)
+
+
+def verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
+    rows = []
+    for c in levels:
+        by = {x.policy: x for x in cells if x.concurrency == c}
+        if not all(p in by for p in POLICIES):
+            continue
+        best_fixed = max(by["on"].goodput_tok_s, by["off"].goodput_tok_s)
+        auto = by["auto"].goodput_tok_s
+        a = by["auto"]
+        total = sum(a.reasons.values())
+        # what auto controls is the mode: did most of its requests take the better fixed policy's?
+        auto_mode = "on" if total and a.speculated * 2 > total else "off"
+        better = "on" if by["on"].goodput_tok_s > by["off"].goodput_tok_s else "off"
+        rows.append({"concurrency": c, "auto_over_best_fixed": round(auto / best_fixed, 3) if best_fixed else None,
+                     "auto_above_both": auto > best_fixed, "auto_mostly": auto_mode, "better_fixed": better,
+                     "auto_mode_matches_better_fixed": auto_mode == better})
+    within = all(r["auto_over_best_fixed"] is not None and r["auto_over_best_fixed"] >= 0.97 for r in rows)
+    return {"levels": rows, "auto_within_3pct_everywhere": within,
+            "auto_above_both_somewhere": any(r["auto_above_both"] for r in rows),
+            "auto_mode_matches_better_fixed_everywhere": all(r["auto_mode_matches_better_fixed"] for r in rows)}
+
+
+def plot(cells: list[Cell], levels: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"on": "tab:orange", "off": "tab:blue", "auto": "tab:green"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for p in POLICIES:
+        rows = sorted((x for x in cells if x.policy == p), key=lambda x: x.concurrency)
+        xs = [x.concurrency for x in rows]
+        ax1.plot(xs, [x.goodput_tok_s for x in rows], "o-", color=colors[p], label=f"speculation {p}")
+        ax2.plot(xs, [x.latency_p50_s for x in rows], "o-", color=colors[p], label=f"{p} p50")
+        ax2.plot(xs, [x.latency_p99_s for x in rows], "s--", color=colors[p], alpha=0.5, label=f"{p} p99")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(x) for x in levels])
+        ax.set_xlabel("concurrent streams")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_ylabel("goodput (output tokens/s)")
+    ax1.set_title("goodput")
+    ax2.set_ylabel("request latency (s)")
+    ax2.set_title("end-to-end latency")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def sweep(url: str, levels: list[int], args: argparse.Namespace) -> list[Cell]:
+    cells: list[Cell] = []
+    print(f"{'conc':>5} {'policy':<6}{'goodput':>9}{'p50 s':>8}{'p99 s':>8}{'accept':>8}{'done':>6}{'spec':>6}  reasons",
+          flush=True)
+    for li, c in enumerate(levels):
+        order = POLICIES[li % 3:] + POLICIES[:li % 3]
+        for policy in order:
+            cell = await run_cell(url, policy, c, args.warmup, args.duration, args.max_tokens)
+            cells.append(cell)
+            acc = f"{cell.acceptance_rate:.2f}" if cell.acceptance_rate is not None else "-"
+            p50 = f"{cell.latency_p50_s:.2f}" if cell.latency_p50_s is not None else "-"
+            p99 = f"{cell.latency_p99_s:.2f}" if cell.latency_p99_s is not None else "-"
+            reasons = ",".join(f"{k}:{v}" for k, v in sorted(cell.reasons.items())) if policy == "auto" else ""
+            print(f"{c:>5} {policy:<6}{cell.goodput_tok_s:>9.1f}{p50:>8}{p99:>8}{acc:>8}{cell.completed:>6}"
+                  f"{cell.speculated:>6}  {reasons}", flush=True)
+            await wait_idle(url)
+    return cells
+
+
+def rescore(path: str) -> None:
+    """Recompute the verdict of a written report from its cells (no new measurement)."""
+    report = json.loads(Path(path).read_text())
+    cells = [Cell(**c) for c in report["cells"]]
+    report["verdict"] = verdict(cells, report["config"]["levels"])
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["verdict"], indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--start", action="store_true", help="deploy the app in a child process with its own Ray")
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
+    ap.add_argument("--duration", type=float, default=20.0, help="measured seconds per (level, policy)")
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", default=str(PROJECT_ROOT / "bench" / "results" / "load-cpu.json"))
+    ap.add_argument("--png", default=str(PROJECT_ROOT / "bench" / "load.png"))
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",") if x]
+
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    app_ctx = None
+    url = args.url
+    if args.start:
+        from bench.app_process import AppProcess, local_args
+
+        overrides = {"engine": {"limits": {"max_num_seqs": max(levels), "max_queue": max(levels) * 2}},
+                     "target_deployment": {"max_ongoing_requests": max(levels) * 2 + 8}}
+        app_ctx = AppProcess(local_args(overrides))
+        app_ctx.__enter__()
+        url = app_ctx.url
+    try:
+        cells = asyncio.run(sweep(url, levels, args))
+    finally:
+        if app_ctx is not None:
+            app_ctx.__exit__(None, None, None)
+    load_after = os.getloadavg()
+    v = verdict(cells, levels)
+    print("auto / best fixed policy:", " ".join(f"c={r['concurrency']}:{r['auto_over_best_fixed']}" for r in v["levels"]))
+    print("auto mostly / better fixed:", " ".join(f"c={r['concurrency']}:{r['auto_mostly']}/{r['better_fixed']}"
+                                                   for r in v["levels"]))
+    print(f"auto within 3% of the better fixed policy everywhere: {v['auto_within_3pct_everywhere']}; "
+          f"above both somewhere: {v['auto_above_both_somewhere']}; "
+          f"auto took the better fixed policy's mode everywhere: {v['auto_mode_matches_better_fixed_everywhere']}")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    report = {
+        "bench": "load",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                 "loadavg_before": [round(x, 2) for x in load_before],
+                 "loadavg_after": [round(x, 2) for x in load_after]},
+        "config": {"url": "started (bench.app_process)" if args.start else url, "levels": levels,
+                   "duration_s": args.duration, "warmup_s": args.warmup, "max_tokens": args.max_tokens,
+                   "ignore_eos": True, "temperature": 0, "prompts": "code", "pair": "configs/local.yaml embedded"},
+        "cells": [asdict(c) for c in cells],
+        "verdict": v,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    plot(cells, levels, Path(args.png), f"specserve on CPU (embedded pair), closed-loop streams, max_tokens "
+                                        f"{args.max_tokens}; load avg {load_before[0]:.1f}->{load_after[0]:.1f} "
+                                        f"on {os.cpu_count()} cores")
+    print(f"wrote {args.json} and {args.png}")
+
+
+if __name__ == "__main__":
+    main()
