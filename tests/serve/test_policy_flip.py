@@ -10,9 +10,9 @@ not have the shape this scenario needs: a forward of this 6M-parameter model cos
 per-step and per-sequence overhead, so verifying k+1 tokens costs little more than decoding one
 at any batch, while the remote draft adds its steps plus a Serve hop (~10 ms) to every
 speculative step. Measured on this machine (bench/load.py, bench/results/load-cpu.json),
-forced speculation is ~2.3x *slower* than plain at 1 stream and within about ±15% of it at
-16-32 streams, and the policy, once it has ingested those measurements, rightly keeps auto
-requests plain at low load (reason low_acceptance). So `EmulatedAcceleratorTarget` pads every target forward to at least
+forced speculation gives 25% (quiet machine) to 56% (busy) *less* goodput than plain at 1
+stream and about the same (within ±15%) at 16-32 streams, and the policy, once it has ingested
+those measurements, rightly keeps auto requests plain at low load (reason low_acceptance). So `EmulatedAcceleratorTarget` pads every target forward to at least
 `BASE_S + PER_TOKEN_S * max(0, tokens - KNEE)` seconds: flat while weight reads dominate, linear
 once the pass is compute-bound (an H100's shape, scaled to CPU speeds). Everything else is the
 real application: the real models, draft replica, hop, engine, routing stats and router.
