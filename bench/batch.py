@@ -48,16 +48,7 @@ from app.config import PROJECT_ROOT, SamplingParams, load_engine_config
 from app.engine import SpecEngine
 from app.generate import build_engine
 
-PROMPTS = [
-    "def read_config(path):\n",
-    "import os\nimport sys\n\n\ndef main(",
-    "class Stack:\n    def __init__(self):\n",
-    "for index, value in enumerate(items):\n",
-    "def fib(n):\n    if n < 2:\n",
-    "    def __repr__(self):\n        return",
-    'def parse_header(line):\n    """Split a header line into name and value."""\n',
-    "import json\n\n\ndef load(path):\n    with open(path) as f:\n",
-]
+from bench.load import PROMPTS  # the same code prompts as the load sweep
 LEVELS = (1, 2, 4, 8, 16, 32)
 
 

@@ -7,8 +7,6 @@ each app is deleted at the end of its fixture so modules can deploy different sh
 
 from __future__ import annotations
 
-import copy
-import socket
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -17,24 +15,9 @@ import httpx
 import pytest
 
 from app.config import load_yaml
+from bench.app_process import free_port, merged  # one copy of each, shared with the benches
 
 LOCAL_ARGS: dict[str, Any] = load_yaml("configs/local.yaml")["applications"][0]["args"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def merged(base: dict, overrides: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 @pytest.fixture(scope="session")
