@@ -1,18 +1,30 @@
 """ServeMetrics on a real local Ray: the series appear on Ray's metrics port under the names
-app/metrics.py says they do, with the values recorded."""
+app/metrics.py says they do, with the values recorded.
+
+Ray's metrics export port can only be set by the `ray.init` that starts Ray, and the pytest
+process already holds the session Ray of tests/serve/conftest.py. So the probe runs in a child
+process with its own Ray (own RAY_TMPDIR, `address="local"`), which scrapes its metrics port on
+127.0.0.1 and hands the parsed samples back as JSON; the assertions run here."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
-import socket
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from app import metrics as m
+from app.config import PROJECT_ROOT
+from bench.app_process import free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -20,6 +32,7 @@ serve = pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.serve
 
 SCRAPE_DEADLINE_S = 60.0
+CHILD_TIMEOUT_S = 300.0
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)$")
 _LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -28,12 +41,6 @@ STEPS = [
     dict(drafted=12, accepted=7, num_drafts=3, accepted_per_pos=[3, 2, 1, 1]),
     dict(drafted=8, accepted=4, num_drafts=3, accepted_per_pos=[2, 1, 1]),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_exposition(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -63,19 +70,6 @@ def _midpoint(buckets: tuple[float, ...], value: float) -> float:
     return buckets[-1] * 2
 
 
-@pytest.fixture(scope="module")
-def metrics_port() -> Iterator[int]:
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=port,
-             configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(proxy_location="Disabled")
-        yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class MetricsProbe:
     def __init__(self) -> None:
@@ -98,7 +92,14 @@ class MetricsProbe:
         return "ok"
 
 
-def _scrape_until(port: int, names: list[str]) -> list[tuple[str, dict[str, str], float]]:
+def _wanted_series() -> list[str]:
+    wanted = [series for d in m.ALL_METRICS for series in d.exported_series]
+    wanted.append(m.SERVE_REPLICA_HEALTHY)
+    return wanted
+
+
+def _scrape_until(port: int, names: list[str]) -> tuple[list[tuple[str, dict[str, str], float]], str]:
+    """Scrape until every name is present or the deadline passes; (samples, last text)."""
     deadline = time.monotonic() + SCRAPE_DEADLINE_S
     last = ""
     while time.monotonic() < deadline:
@@ -108,21 +109,54 @@ def _scrape_until(port: int, names: list[str]) -> list[tuple[str, dict[str, str]
         except (urllib.error.URLError, OSError):
             last = ""
         samples = parse_exposition(last)
-        present = {n for n, _, _ in samples}
-        if all(name in present for name in names):
-            return samples
+        if set(names) <= {n for n, _, _ in samples}:
+            return samples, last
         time.sleep(1.0)
-    found = sorted({n for n, _, _ in parse_exposition(last) if "specserve" in n})
-    pytest.fail(f"metrics {names} not exported within {SCRAPE_DEADLINE_S}s; specserve series: {found}")
+    return parse_exposition(last), last
 
 
-def test_serve_metrics_are_exported_under_documented_names(metrics_port: int) -> None:
-    handle = serve.run(MetricsProbe.bind(), name="metrics_probe", route_prefix=None)
-    assert handle.remote().result(timeout_s=60) == "ok"
+def _child_main(metrics_port: int, out_path: str) -> None:
+    """In the child: own Ray with the export port, the probe deployed and called, one scrape."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
+             configure_logging=False, log_to_driver=False)
+    try:
+        serve.start(proxy_location="Disabled")
+        handle = serve.run(MetricsProbe.bind(), name="metrics_probe", route_prefix=None)
+        reply = handle.remote().result(timeout_s=60)
+        samples, _ = _scrape_until(metrics_port, _wanted_series())
+        Path(out_path).write_text(json.dumps({"reply": reply, "samples": samples}))
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
 
-    wanted = [series for d in m.ALL_METRICS for series in d.exported_series]
-    wanted.append(m.SERVE_REPLICA_HEALTHY)
-    samples = _scrape_until(metrics_port, wanted)
+
+@pytest.fixture(scope="module")
+def probe_result() -> dict:
+    # Short temp path: Ray's unix sockets live under RAY_TMPDIR (108-byte limit).
+    tmp = Path(tempfile.mkdtemp(prefix="ssm", dir="/tmp"))
+    out = tmp / "samples.json"
+    env = dict(os.environ, RAY_TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "tests.serve.test_ray_metrics_export", str(free_port()), str(out)]
+    try:
+        proc = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S)
+        if proc.returncode != 0 or not out.exists():
+            pytest.fail(f"metrics probe child failed ({proc.returncode}):\n"
+                        f"{(proc.stdout + proc.stderr)[-4000:]}")
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_serve_metrics_are_exported_under_documented_names(probe_result: dict) -> None:
+    assert probe_result["reply"] == "ok"
+    samples = [(n, labels, v) for n, labels, v in probe_result["samples"]]
+    missing = sorted(set(_wanted_series()) - {n for n, _, _ in samples})
+    assert not missing, f"not exported within {SCRAPE_DEADLINE_S}s: {missing}"
 
     drafted = _total(samples, m.NUM_DRAFT_TOKENS.exported)
     accepted = _total(samples, m.NUM_ACCEPTED_TOKENS.exported)
@@ -153,3 +187,7 @@ def test_serve_metrics_are_exported_under_documented_names(metrics_port: int) ->
     assert labels["replica"]
     # The Serve series the dashboard reads exist too.
     assert any(n == m.SERVE_REPLICA_HEALTHY for n, _, _ in samples)
+
+
+if __name__ == "__main__":
+    _child_main(int(sys.argv[1]), sys.argv[2])
