@@ -3,7 +3,8 @@ tokens and others decode one, all in one target forward per step.
 
 Per step:
   1. admit waiting requests while the KV budget allows; prefill each (emits its first token)
-  2. choose k per running sequence (0 = plain decoding; the policy may move it every step)
+  2. choose k per running sequence (0 = plain decoding): the planner sees the whole batch,
+     because one speculating sequence makes every sequence of the step wait for the draft
   3. one batched `proposer.propose()` for every speculating sequence
   4. one batched target forward: input per sequence = [last token] + its proposals
   5. verify (greedy or rejection sampling), roll each KV cache back to what was accepted,
@@ -44,13 +45,15 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams
     seed: int
-    k: int  # the router's speculation depth for this request; 0 = plain decoding
+    k: int  # the most drafts per step for this request; 0 = plain decoding
     stop: StopChecker
     kv: SequenceKV = field(default_factory=SequenceKV)
     output_ids: list[int] = field(default_factory=list)
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     finish_reason: FinishReason | None = None
     step_k: int = 0  # the depth used at the last step (adaptive k may move it)
+    adaptive: bool = False  # 'auto': the step planner picks 0..k each step; else k every step
+    alpha_prior: float | None = None  # the router's acceptance estimate for its prompt class
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -83,16 +86,18 @@ class SeqUpdate:
 class StepTimes:
     """Wall time of the last step's phases, for the cost model and metrics (seconds)."""
 
-    prefill: float = 0.0
+    prefill: float = 0.0  # newcomers' prompt prefill (after the batch's step)
     draft: float = 0.0
     target: float = 0.0  # decode or verify forward
+    overhead: float = 0.0  # the batch's step outside both forwards: planning, verifying, emitting
     batch_size: int = 0
     tokens_in_pass: int = 0
     num_speculating: int = 0
 
 
-# (sequence, batch size) -> k for this step; lets the policy adapt k as acceptance and load move
-StepKChooser = Callable[[Sequence, int], int]
+# (batch, per-sequence caps) -> drafts per sequence this step, each in 0..cap. Lets the policy
+# adapt k (to 0 included) as acceptance and load move. Without one, every sequence drafts its cap.
+StepPlanner = Callable[[list[Sequence], list[int]], list[int]]
 
 
 class SpecEngine:
@@ -102,13 +107,13 @@ class SpecEngine:
         proposer: Proposer | None,
         limits: EngineLimits = EngineLimits(),
         max_k: int = 8,
-        choose_k: StepKChooser | None = None,
+        plan_k: StepPlanner | None = None,
     ) -> None:
         self.runner = runner
         self.proposer = proposer
         self.limits = limits
         self.max_k = max_k
-        self.choose_k = choose_k
+        self.plan_k = plan_k
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.stats = AcceptanceStats()
@@ -122,8 +127,13 @@ class SpecEngine:
         prompt_ids: list[int],
         sampling: SamplingParams,
         k: int = 0,
+        adaptive: bool = False,
+        alpha_prior: float | None = None,
     ) -> None:
-        """Queue a request; raises ValueError for bad input and Overloaded when the queue is full."""
+        """Queue a request; raises ValueError for bad input and Overloaded when the queue is full.
+
+        `k`: most drafts per step (0: never speculate). `adaptive`: the step planner may use any
+        depth in 0..k at each step; otherwise the sequence drafts k every step (a forced 'on')."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if seq_id in self.running or any(s.seq_id == seq_id for s in self.waiting):
@@ -141,7 +151,8 @@ class SpecEngine:
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         k = min(k, self.max_k) if self.proposer is not None else 0
         stop = StopChecker(self.runner.tokenizer, sampling.stop)
-        self.waiting.append(Sequence(seq_id, list(prompt_ids), sampling, seed, k, stop))
+        self.waiting.append(Sequence(seq_id, list(prompt_ids), sampling, seed, k, stop,
+                                     adaptive=adaptive, alpha_prior=alpha_prior))
 
     def abort(self, seq_id: str) -> bool:
         """Drop a sequence wherever it is and free its caches on both sides."""
@@ -190,11 +201,13 @@ class SpecEngine:
         batch = list(self.running.values())
         if batch:
             updates += self._decode_step(batch, times)
+        t1 = time.perf_counter()
+        times.overhead = max(0.0, t1 - t0 - times.draft - times.target)
         while self.waiting and self._fits(self.waiting[0].reserved_tokens()):
             seq = self.waiting.popleft()
             self.running[seq.seq_id] = seq
             updates.append(self._prefill(seq))
-        times.prefill = time.perf_counter() - t0 - times.draft - times.target
+        times.prefill = time.perf_counter() - t1
         self.last_times = times
         return updates
 
@@ -205,18 +218,19 @@ class SpecEngine:
         return self._emit(seq, [token], drafted=0, accepted=0)
 
     def _decode_step(self, batch: list[Sequence], times: StepTimes) -> list[SeqUpdate]:
-        step_k: dict[str, int] = {}
+        caps = []
         for seq in batch:
             if seq.kv.length != len(seq.token_ids) - 1:
                 # the cache does not hold the truth (e.g. evicted): rebuild it by prefill
                 seq.kv = SequenceKV()
                 self.runner.forward([seq.kv], [seq.token_ids[:-1]])
-            want = seq.k  # the router's decision; 0 = this request never speculates
-            if want > 0 and self.choose_k is not None:
-                want = min(self.choose_k(seq, len(batch)), self.max_k)  # may pause at 0
             # no proposals past max_tokens (the target adds one) or past the context
             room = min(seq.remaining - 1, self.runner.max_context - len(seq.token_ids) - 1)
-            step_k[seq.seq_id] = seq.step_k = max(0, min(want, room))
+            caps.append(max(0, min(seq.k, self.max_k, room)))
+        ks = self.plan_k(batch, caps) if self.plan_k is not None and any(caps) else caps
+        step_k: dict[str, int] = {}
+        for seq, cap, k in zip(batch, caps, ks):
+            step_k[seq.seq_id] = seq.step_k = max(0, min(k, cap))
         proposals = self._propose([s for s in batch if step_k[s.seq_id] > 0], step_k, times)
         inputs = [[s.token_ids[-1]] + proposals.get(s.seq_id, Proposal([])).tokens for s in batch]
         t0 = time.perf_counter()

@@ -39,11 +39,13 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, seq_id: str, prompt_ids: list[int], sampling: SamplingParams, k: int) -> asyncio.Queue:
-        """Queue a sequence; raises ValueError / Overloaded synchronously. Call from the event loop."""
+    def submit(self, seq_id: str, prompt_ids: list[int], sampling: SamplingParams, k: int,
+               adaptive: bool = False, alpha_prior: float | None = None) -> asyncio.Queue:
+        """Queue a sequence (SpecEngine.add's arguments); raises ValueError / Overloaded
+        synchronously. Call from the event loop."""
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
-            self.engine.add(seq_id, prompt_ids, sampling, k)
+            self.engine.add(seq_id, prompt_ids, sampling, k, adaptive=adaptive, alpha_prior=alpha_prior)
             self.queues[seq_id] = (asyncio.get_running_loop(), queue)
         self.wake.set()
         return queue

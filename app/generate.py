@@ -8,20 +8,20 @@ from dataclasses import asdict, dataclass
 
 from app.acceptance import AcceptanceStats
 from app.config import EngineConfig, SamplingParams
-from app.engine import FinishReason, SpecEngine, StepKChooser
+from app.engine import FinishReason, SpecEngine, StepPlanner
 from app.model_runner import ModelRunner
 from app.proposers import DraftModelProposer, Proposer, make_proposer
 from app.tokenizer_compat import check_compatible
 
 
-def build_engine(config: EngineConfig, speculate: bool = True, choose_k: StepKChooser | None = None) -> SpecEngine:
+def build_engine(config: EngineConfig, speculate: bool = True, plan_k: StepPlanner | None = None) -> SpecEngine:
     """Load the target (and the draft, checked for tokenizer compatibility) into an engine."""
     runner = ModelRunner(config.target)
     proposer: Proposer | None = make_proposer(config) if speculate else None
     if isinstance(proposer, DraftModelProposer):
         check_compatible(runner.tokenizer, proposer.runner.tokenizer)
     return SpecEngine(
-        runner, proposer, config.limits, max_k=config.speculation.max_speculative_tokens, choose_k=choose_k
+        runner, proposer, config.limits, max_k=config.speculation.max_speculative_tokens, plan_k=plan_k
     )
 
 

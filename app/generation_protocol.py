@@ -12,8 +12,10 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]  # on failover: the original prompt + every token already streamed
     sampling: SamplingParams  # on failover: max_tokens reduced by what was streamed
-    k: int  # starting speculation depth (0 = plain); the engine may adapt it per step
+    k: int  # most drafts per step (0 = plain)
     timeout_s: float
+    adaptive: bool = False  # 'auto': the engine's step planner picks 0..k each step; else k always
+    alpha_prior: float | None = None  # the router's acceptance estimate for the prompt's class
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ DECISIONS: tuple[str, ...] = ("speculate", "plain")
 # Reasons app.policy emits today (its `Reason` literal); any short identifier is accepted.
 KNOWN_REASONS: tuple[str, ...] = (
     "low_load_long_output", "high_load", "short_output", "low_acceptance", "prefill_cost",
-    "stale_load", "no_draft", "forced_on", "forced_off", "exploration",
+    "stale_load", "no_draft", "forced_on", "forced_off",
 )
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")

@@ -90,6 +90,7 @@ class SpeculationUsage(BaseModel):
     requested: SpeculationMode
     k: int
     reason: str
+    adaptive: bool = False  # the engine picked the depth per step (0 included): drafted_tokens tell
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     num_drafts: int = 0

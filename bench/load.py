@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.load --start                      # deploys its own app (own Ray), ~9 min
     .venv/bin/python -m bench.load --url http://127.0.0.1:8000  # an app already running (make run)
     .venv/bin/python -m bench.load --start --levels 1,4,16 --duration 15
+    .venv/bin/python -m bench.load --start --rounds 3 --duration 12   # repeated, median per cell
 
 For each concurrency level c (default 1,2,4,8,16,32) and each policy (`speculation` "on",
 "off", "auto" in every request), c closed-loop clients stream completions for `--warmup` +
@@ -10,8 +11,10 @@ For each concurrency level c (default 1,2,4,8,16,32) and each policy (`speculati
 the next. Requests: code prompts, greedy, ignore_eos, `--max-tokens` tokens ("on" uses the
 policy's default k). After each (level, policy) cell the clients stop and their open streams
 are closed (the server aborts those sequences), so cells do not overlap. The order of the three
-policies rotates from level to level so a drift in the machine's load does not always hit the
-same one. The app is shared by the cells: "auto" decides from what the router has measured so
+policies rotates from level to level (and round to round) so a drift in the machine's load does
+not always hit the same one. With `--rounds R` every level runs R interleaved rounds of the three
+policies and the verdict compares per-policy medians: single cells on a shared 2-core machine
+vary by ±10-20 %, far more than the 3 % the target asks about. The app is shared by the cells: "auto" decides from what the router has measured so
 far, including the forced cells' traffic (that is how it learns on a live service).
 
 Per cell:
@@ -79,6 +82,8 @@ class Cell:
     acceptance_rate: float | None
     speculated: int = 0  # requests whose decision was to speculate
     reasons: dict[str, int] = field(default_factory=dict)
+    drafted_requests: int = 0  # requests that drafted at least one token (auto: the engine's plan)
+    round: int = 0
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -93,7 +98,7 @@ class Window:
         self.start, self.end = start, end
         self.tokens = 0
         self.latencies: list[float] = []
-        self.drafted = self.accepted = self.failed = self.speculated = 0
+        self.drafted = self.accepted = self.failed = self.speculated = self.drafted_requests = 0
         self.reasons: Counter[str] = Counter()
 
     def inside(self, t: float) -> bool:
@@ -136,10 +141,12 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
         w.drafted += spec.get("drafted_tokens", 0)
         w.accepted += spec.get("accepted_tokens", 0)
         w.speculated += spec.get("mode") == "speculative"
+        w.drafted_requests += spec.get("drafted_tokens", 0) > 0
         w.reasons[spec.get("reason", "?")] += 1
 
 
-async def run_cell(url: str, policy: str, c: int, warmup_s: float, duration_s: float, max_tokens: int) -> Cell:
+async def run_cell(url: str, policy: str, c: int, warmup_s: float, duration_s: float, max_tokens: int,
+                   round_: int = 0) -> Cell:
     t_start = time.monotonic()
     w = Window(t_start + warmup_s, t_start + warmup_s + duration_s)
     stop = asyncio.Event()
@@ -172,7 +179,7 @@ async def run_cell(url: str, policy: str, c: int, warmup_s: float, duration_s: f
         goodput_tok_s=round(w.tokens / seconds, 2), completed=len(w.latencies), failed=w.failed,
         latency_p50_s=_r(percentile(w.latencies, 50)), latency_p99_s=_r(percentile(w.latencies, 99)),
         acceptance_rate=round(w.accepted / w.drafted, 3) if w.drafted else None,
-        speculated=w.speculated, reasons=dict(w.reasons),
+        speculated=w.speculated, reasons=dict(w.reasons), drafted_requests=w.drafted_requests, round=round_,
     )
 
 
@@ -185,20 +192,47 @@ async def wait_idle(url: str) -> None:
     await asyncio.sleep(1.0)
 
 
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def summarize(cells: list[Cell], levels: list[int]) -> dict[tuple[int, str], dict[str, Any]]:
+    """Per (level, policy): median goodput over rounds, its range, and the auto cells' modes."""
+    out: dict[tuple[int, str], dict[str, Any]] = {}
+    for c in levels:
+        for p in POLICIES:
+            xs = [x for x in cells if x.concurrency == c and x.policy == p]
+            if not xs:
+                continue
+            g = [x.goodput_tok_s for x in xs]
+            total = sum(sum(x.reasons.values()) for x in xs)
+            out[(c, p)] = {
+                "goodput_median": round(median(g), 2), "goodput_min": min(g), "goodput_max": max(g),
+                "rounds": len(xs), "requests": total, "speculated": sum(x.speculated for x in xs),
+                "drafted_requests": sum(x.drafted_requests for x in xs),
+                "latency_p50_s": _r(median([x.latency_p50_s for x in xs if x.latency_p50_s is not None] or [0.0])),
+                "latency_p99_s": _r(median([x.latency_p99_s for x in xs if x.latency_p99_s is not None] or [0.0])),
+            }
+    return out
+
+
 def verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
+    summary = summarize(cells, levels)
     rows = []
     for c in levels:
-        by = {x.policy: x for x in cells if x.concurrency == c}
-        if not all(p in by for p in POLICIES):
+        by = {p: summary[(c, p)] for p in POLICIES if (c, p) in summary}
+        if len(by) < len(POLICIES):
             continue
-        best_fixed = max(by["on"].goodput_tok_s, by["off"].goodput_tok_s)
-        auto = by["auto"].goodput_tok_s
+        on, off, auto = (by[p]["goodput_median"] for p in POLICIES)
+        best_fixed = max(on, off)
         a = by["auto"]
-        total = sum(a.reasons.values())
-        # what auto controls is the mode: did most of its requests take the better fixed policy's?
-        auto_mode = "on" if total and a.speculated * 2 > total else "off"
-        better = "on" if by["on"].goodput_tok_s > by["off"].goodput_tok_s else "off"
-        rows.append({"concurrency": c, "auto_over_best_fixed": round(auto / best_fixed, 3) if best_fixed else None,
+        # what auto controls is the mode: did most of its requests draft, as the better policy does?
+        auto_mode = "on" if a["requests"] and a["drafted_requests"] * 2 > a["requests"] else "off"
+        better = "on" if on > off else "off"
+        rows.append({"concurrency": c, "on": on, "off": off, "auto": auto, "rounds": a["rounds"],
+                     "auto_over_best_fixed": round(auto / best_fixed, 3) if best_fixed else None,
                      "auto_above_both": auto > best_fixed, "auto_mostly": auto_mode, "better_fixed": better,
                      "auto_mode_matches_better_fixed": auto_mode == better})
     within = all(r["auto_over_best_fixed"] is not None and r["auto_over_best_fixed"] >= 0.97 for r in rows)
@@ -215,12 +249,15 @@ def plot(cells: list[Cell], levels: list[int], path: Path, title: str) -> None:
 
     colors = {"on": "tab:orange", "off": "tab:blue", "auto": "tab:green"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    summary = summarize(cells, levels)
     for p in POLICIES:
-        rows = sorted((x for x in cells if x.policy == p), key=lambda x: x.concurrency)
-        xs = [x.concurrency for x in rows]
-        ax1.plot(xs, [x.goodput_tok_s for x in rows], "o-", color=colors[p], label=f"speculation {p}")
-        ax2.plot(xs, [x.latency_p50_s for x in rows], "o-", color=colors[p], label=f"{p} p50")
-        ax2.plot(xs, [x.latency_p99_s for x in rows], "s--", color=colors[p], alpha=0.5, label=f"{p} p99")
+        rows = [(c, summary[(c, p)]) for c in levels if (c, p) in summary]
+        xs = [c for c, _ in rows]
+        med = [r["goodput_median"] for _, r in rows]
+        err = [[m - r["goodput_min"] for m, (_, r) in zip(med, rows)], [r["goodput_max"] - m for m, (_, r) in zip(med, rows)]]
+        ax1.errorbar(xs, med, yerr=err, fmt="o-", color=colors[p], capsize=3, label=f"speculation {p}")
+        ax2.plot(xs, [r["latency_p50_s"] for _, r in rows], "o-", color=colors[p], label=f"{p} p50")
+        ax2.plot(xs, [r["latency_p99_s"] for _, r in rows], "s--", color=colors[p], alpha=0.5, label=f"{p} p99")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(x) for x in levels])
@@ -228,7 +265,7 @@ def plot(cells: list[Cell], levels: list[int], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     ax1.set_ylabel("goodput (output tokens/s)")
-    ax1.set_title("goodput")
+    ax1.set_title("goodput (median over rounds; bars: min-max)")
     ax2.set_ylabel("request latency (s)")
     ax2.set_title("end-to-end latency")
     fig.suptitle(title, fontsize=9)
@@ -238,20 +275,21 @@ def plot(cells: list[Cell], levels: list[int], path: Path, title: str) -> None:
 
 async def sweep(url: str, levels: list[int], args: argparse.Namespace) -> list[Cell]:
     cells: list[Cell] = []
-    print(f"{'conc':>5} {'policy':<6}{'goodput':>9}{'p50 s':>8}{'p99 s':>8}{'accept':>8}{'done':>6}{'spec':>6}  reasons",
+    print(f"{'conc':>5} {'policy':<6}{'goodput':>9}{'p50 s':>8}{'p99 s':>8}{'accept':>8}{'done':>6}{'draft':>6}  reasons",
           flush=True)
     for li, c in enumerate(levels):
-        order = POLICIES[li % 3:] + POLICIES[:li % 3]
-        for policy in order:
-            cell = await run_cell(url, policy, c, args.warmup, args.duration, args.max_tokens)
-            cells.append(cell)
-            acc = f"{cell.acceptance_rate:.2f}" if cell.acceptance_rate is not None else "-"
-            p50 = f"{cell.latency_p50_s:.2f}" if cell.latency_p50_s is not None else "-"
-            p99 = f"{cell.latency_p99_s:.2f}" if cell.latency_p99_s is not None else "-"
-            reasons = ",".join(f"{k}:{v}" for k, v in sorted(cell.reasons.items())) if policy == "auto" else ""
-            print(f"{c:>5} {policy:<6}{cell.goodput_tok_s:>9.1f}{p50:>8}{p99:>8}{acc:>8}{cell.completed:>6}"
-                  f"{cell.speculated:>6}  {reasons}", flush=True)
-            await wait_idle(url)
+        for r in range(args.rounds):
+            shift = (li + r) % 3
+            for policy in POLICIES[shift:] + POLICIES[:shift]:
+                cell = await run_cell(url, policy, c, args.warmup, args.duration, args.max_tokens, r)
+                cells.append(cell)
+                acc = f"{cell.acceptance_rate:.2f}" if cell.acceptance_rate is not None else "-"
+                p50 = f"{cell.latency_p50_s:.2f}" if cell.latency_p50_s is not None else "-"
+                p99 = f"{cell.latency_p99_s:.2f}" if cell.latency_p99_s is not None else "-"
+                reasons = ",".join(f"{k}:{v}" for k, v in sorted(cell.reasons.items())) if policy == "auto" else ""
+                print(f"{c:>5} {policy:<6}{cell.goodput_tok_s:>9.1f}{p50:>8}{p99:>8}{acc:>8}{cell.completed:>6}"
+                      f"{cell.drafted_requests:>6}  {reasons}", flush=True)
+                await wait_idle(url)
     return cells
 
 
@@ -271,6 +309,7 @@ def main() -> None:
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
     ap.add_argument("--duration", type=float, default=20.0, help="measured seconds per (level, policy)")
     ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions per level; medians compared")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=str(PROJECT_ROOT / "bench" / "results" / "load-cpu.json"))
     ap.add_argument("--png", default=str(PROJECT_ROOT / "bench" / "load.png"))
@@ -296,6 +335,10 @@ def main() -> None:
             app_ctx.__exit__(None, None, None)
     load_after = os.getloadavg()
     v = verdict(cells, levels)
+    print(f"{'conc':>5}{'on':>9}{'off':>9}{'auto':>9}{'auto/best':>10}  auto mostly / better fixed")
+    for r in v["levels"]:
+        print(f"{r['concurrency']:>5}{r['on']:>9.1f}{r['off']:>9.1f}{r['auto']:>9.1f}{r['auto_over_best_fixed']:>10.3f}"
+              f"  {r['auto_mostly']} / {r['better_fixed']}")
     print("auto / best fixed policy:", " ".join(f"c={r['concurrency']}:{r['auto_over_best_fixed']}" for r in v["levels"]))
     print("auto mostly / better fixed:", " ".join(f"c={r['concurrency']}:{r['auto_mostly']}/{r['better_fixed']}"
                                                    for r in v["levels"]))
@@ -316,7 +359,7 @@ def main() -> None:
                  "loadavg_before": [round(x, 2) for x in load_before],
                  "loadavg_after": [round(x, 2) for x in load_after]},
         "config": {"url": "started (bench.app_process)" if args.start else url, "levels": levels,
-                   "duration_s": args.duration, "warmup_s": args.warmup, "max_tokens": args.max_tokens,
+                   "duration_s": args.duration, "warmup_s": args.warmup, "rounds": args.rounds, "max_tokens": args.max_tokens,
                    "ignore_eos": True, "temperature": 0, "prompts": "code", "pair": "configs/local.yaml embedded"},
         "cells": [asdict(c) for c in cells],
         "verdict": v,

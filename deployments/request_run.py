@@ -7,6 +7,7 @@ produced (identical under greedy decoding).
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -69,8 +70,8 @@ class RequestRun:
         sampling = r.sampling.model_copy(update={"max_tokens": r.sampling.max_tokens - len(self.tokens)})
         # a re-issued request gets what is left of the deadline, not a fresh one
         timeout_s = max(0.05, self.deadline - time.monotonic())
-        req = GenerateRequest(f"{r.request_id}-{uuid.uuid4().hex[:6]}", r.prompt_ids + self.tokens, sampling,
-                              r.k, timeout_s)
+        req = dataclasses.replace(r, request_id=f"{r.request_id}-{uuid.uuid4().hex[:6]}",
+                                  prompt_ids=r.prompt_ids + self.tokens, sampling=sampling, timeout_s=timeout_s)
         self._response = self.router.target.options(stream=True).generate.remote(req)
         return self._response.__aiter__()
 
@@ -176,6 +177,7 @@ class RequestRun:
         s, d = self.stats, self.decision
         spec = SpeculationUsage(
             mode="speculative" if d.speculate else "plain", requested=self.requested, k=d.k, reason=d.reason,
+            adaptive=self.request.adaptive,
             drafted_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens, num_drafts=s.num_drafts,
             acceptance_rate=s.acceptance_rate, mean_acceptance_length=s.mean_acceptance_length,
             expected_speedup=round(d.expected_speedup, 3),

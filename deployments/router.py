@@ -24,7 +24,7 @@ from app.config import AppConfig
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import load_tokenizer
 from app.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, SpeculationUsage, Usage, chat_chunk, chat_response,
+    ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response,
     completion_chunk, completion_response, error_body, new_id,
 )
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
@@ -166,7 +166,9 @@ class Router:
             return e.response()
         decision = self._decide(body, sampling, len(prompt_ids), text, chat)
         rid = new_id("chatcmpl" if chat else "cmpl")
-        gen = GenerateRequest(rid, prompt_ids, sampling, decision.k, self.config.engine.limits.request_timeout_s)
+        max_k, adaptive = self.policy.engine_depth(decision, sampling.max_tokens)
+        gen = GenerateRequest(rid, prompt_ids, sampling, max_k, self.config.engine.limits.request_timeout_s,
+                              adaptive=adaptive, alpha_prior=decision.alpha)
         run = RequestRun(self, gen, decision, body.speculation, classify_prompt(text, chat=chat))
         if body.stream:
             try:

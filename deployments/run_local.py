@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -41,7 +40,7 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     serve.run(build_app(config.model_dump(mode="json")), name="specserve", route_prefix="/", blocking=False)
     wait_healthy("http://127.0.0.1:8000/health")
-    print(f"\nspecserve is up: http://127.0.0.1:8000  (playground: http://127.0.0.1:8000/)")
+    print("\nspecserve is up: http://127.0.0.1:8000  (playground: http://127.0.0.1:8000/)")
     print("try:\n" + CURL % config.model_name + "\n")
     if args.detach:
         return

@@ -7,7 +7,6 @@ request router); an n-gram proposer runs in-process instead.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -24,7 +23,7 @@ from app.engine import Overloaded, SpecEngine
 from app.engine_loop import EngineLoop, stream_updates
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import ContextOverflow, ModelRunner
-from app.policy import AcceptanceTracker, SpeculationPolicy
+from app.policy import AcceptanceTracker, SpeculationPolicy, StepCandidate, StepExplorer
 from app.proposers import NgramProposer, Proposer
 from deployments.metrics_ray import ServeMetrics
 
@@ -138,17 +137,28 @@ class TargetServer:
         self.policy = SpeculationPolicy(acceptance=AcceptanceTracker(pair=self.config.model_name))
         self.engine = SpecEngine(
             runner, proposer, engine_cfg.limits, max_k=engine_cfg.speculation.max_speculative_tokens,
-            choose_k=self._choose_k,
+            plan_k=self._plan_k,
         )
+        c = self.policy.config
+        self.explorer = StepExplorer(c.explore_every_steps, c.exploration_k) if c.explore_every_steps else None
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
 
-    # ---- adaptive k: re-decided per sequence per step from live acceptance and batch ----
-    def _choose_k(self, seq, batch_size: int) -> int:
-        # this sequence's own acceptance, shrunk towards the replica's live average
-        alpha = seq.stats.token_alpha(prior=self.policy.acceptance.alpha("default"))
-        return self.policy.choose_step_k(alpha, batch_size, max_k=seq.k, min_k=1, remaining_tokens=seq.remaining)
+    # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
+    def _plan_k(self, batch, caps: list[int]) -> list[int]:
+        replica_alpha = self.policy.acceptance.alpha("default")
+        candidates = [
+            # this sequence's own acceptance, shrunk towards its prompt class's (router) or the replica's
+            StepCandidate(cap, seq.stats.token_alpha(prior=seq.alpha_prior if seq.alpha_prior is not None
+                                                     else replica_alpha), seq.adaptive)
+            for seq, cap in zip(batch, caps)
+        ]
+        explore_k = self.explorer.explore_k() if self.explorer is not None else None
+        plan = self.policy.plan_step(candidates, explore_k=explore_k)
+        if self.explorer is not None:
+            self.explorer.record(plan, candidates)
+        return plan.ks
 
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         times = engine.last_times
@@ -165,6 +175,7 @@ class TargetServer:
                 if u.drafted:
                     self.policy.acceptance.observe("default", u.drafted, u.accepted)
         if times.batch_size:
+            self.policy.costs.observe_overhead(times.overhead)
             kind = "verify" if times.num_speculating else "decode"
             self.metrics.observe_step(kind, times.target)
             self.policy.costs.observe_target(times.tokens_in_pass, times.target)
@@ -192,7 +203,8 @@ class TargetServer:
     # ---- the request path ----
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         try:
-            queue = self.loop.submit(request.request_id, request.prompt_ids, request.sampling, request.k)
+            queue = self.loop.submit(request.request_id, request.prompt_ids, request.sampling, request.k,
+                                     adaptive=request.adaptive, alpha_prior=request.alpha_prior)
         except Overloaded as e:
             yield GenerateChunk([], "", None, error=f"server overloaded: {e}", status=429, replica=self.replica_id)
             return

@@ -1,7 +1,8 @@
 """The speculation policy: pure (Ray-free) cost model, live trackers and the decision.
 
 The router calls `SpeculationPolicy.decide` per request; the target engine calls
-`choose_step_k` per sequence per step and feeds `observe_*` back from what it measures.
+`SpeculationPolicy.plan_step` for its whole batch at every step and feeds `observe_*` back
+from what it measures.
 """
 
 from .cost_model import (
@@ -20,8 +21,8 @@ from .decision import (
     Reason,
     SpeculationDecision,
     SpeculationPolicy,
-    choose_step_k,
 )
+from .step_plan import StepCandidate, StepExplorer, StepPlan, plan_step
 from .trackers import AcceptanceTracker, LengthPredictor, PromptClass, classify_prompt
 
 __all__ = [
@@ -37,10 +38,13 @@ __all__ = [
     "SpeculationPolicy",
     "StepCosts",
     "StepCostsConfig",
+    "StepCandidate",
+    "StepExplorer",
+    "StepPlan",
     "best_k",
     "best_spec_k",
-    "choose_step_k",
     "classify_prompt",
     "expected_tokens_per_step",
+    "plan_step",
     "speedup",
 ]

@@ -180,6 +180,7 @@ class StepCostsConfig(BaseModel):
     draft_ratio: float = Field(0.25, gt=0, description="draft step time / target step time")
     draft_knee_tokens: float | None = Field(None, gt=0, description="defaults to knee_tokens")
     exchange_s: float = Field(0.001, ge=0, description="one batched draft<->target exchange per step")
+    overhead_s: float = Field(0.0, ge=0, description="per engine step outside the forwards (host work), paid by every step")
     draft_prefill_per_token_s: float | None = Field(None, ge=0, description="defaults to the draft curve's slope past its knee")
     decay: float = Field(0.1, gt=0, le=1, description="weight of a new measurement once warmed up")
 
@@ -194,6 +195,7 @@ class StepCosts:
         self.target = CostCurve(c.target_step_s, c.knee_tokens, c.decay)
         self.draft = CostCurve(c.target_step_s * c.draft_ratio, draft_knee, c.decay)
         self._exchange = _Ema(c.exchange_s, c.decay)
+        self._overhead = _Ema(c.overhead_s, c.decay)
         per_token = c.draft_prefill_per_token_s
         if per_token is None:
             per_token = c.target_step_s * c.draft_ratio / draft_knee
@@ -212,6 +214,12 @@ class StepCosts:
     @property
     def t_exchange(self) -> float:
         return self._exchange.value
+
+    @property
+    def t_overhead(self) -> float:
+        """Host time of an engine step outside the forwards: the same for a plain and a
+        speculative step, so it favours steps that emit more tokens."""
+        return self._overhead.value
 
     def t_draft_prefill(self, prompt_tokens: int) -> float:
         return max(prompt_tokens, 0) * self._prefill_per_token.value
@@ -234,6 +242,10 @@ class StepCosts:
         if seconds >= 0 and math.isfinite(seconds):
             self._exchange.observe(seconds)
 
+    def observe_overhead(self, seconds: float) -> None:
+        if seconds >= 0 and math.isfinite(seconds):
+            self._overhead.observe(seconds)
+
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
             self._prefill_per_token.observe(seconds / tokens)
@@ -253,8 +265,8 @@ def speedup(
 ) -> float:
     """Goodput of speculating with depth k over plain decoding, for one sequence in a batch of b.
 
-    plain: t_decode(b) per token. speculative: (k·t_draft + t_verify(b, k) + t_exchange) / E(k) per
-    token, plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
+    plain: t_decode(b) + t_overhead per token. speculative: (k·t_draft + t_verify(b, k) + t_exchange
+    + t_overhead) / E(k) per token, plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
     draft drafts block t+1 while the target verifies block t, so only the part of draft+exchange
     that outlasts the verify is paid. (That is optimistic when acceptance is low, since a rejected
     block's pre-drafted successor is thrown away; the live step times correct for it.)
@@ -262,10 +274,10 @@ def speedup(
     """
     if k <= 0:
         return 1.0
-    plain = costs.t_decode(b)
+    plain = costs.t_decode(b) + costs.t_overhead
     verify = costs.t_verify(b, k)
     side = k * costs.t_draft(draft_batch if draft_batch is not None else b) + costs.t_exchange
-    step = verify + (max(0.0, side - verify) if overlap else side)
+    step = verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead
     per_token = step / expected_tokens_per_step(alpha, k, per_position)
     if prompt_tokens > 0 and output_tokens:
         per_token += costs.t_draft_prefill(prompt_tokens) / output_tokens

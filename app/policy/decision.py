@@ -1,19 +1,25 @@
-"""The per-request speculation decision and the per-step choice of k.
+"""The per-request speculation decision, and how it hands over to the per-step plan.
 
-`SpeculationPolicy.decide` runs on the router for every request; `choose_step_k` runs in the
-target engine for every speculating sequence at every step, from the same cost model with
-fresher numbers. Both are pure: inputs are pydantic snapshots, outputs are plain values.
+`SpeculationPolicy.decide` runs on the router for every request; `SpeculationPolicy.plan_step`
+runs in the target engine at every step for the whole batch (app/policy/step_plan.py), from the
+same cost model with fresher numbers. Both are pure: inputs are snapshots, outputs plain values.
+
+The router's decision is the admission-time judgment (and its reason is what `usage` reports
+and the metrics count); `engine_depth` turns it into what the engine may do: a forced 'on'
+drafts its k every step, a forced 'off' (or a request that cannot pay: short output, no draft,
+stale load) never drafts, and every other 'auto' request is adaptive — the step planner picks
+its depth in 0..max_k at each step as acceptance and the batch move.
 """
 
 from __future__ import annotations
 
-import random
 import threading
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost_model import StepCosts, best_k, best_spec_k, speedup
+from .step_plan import StepCandidate, StepPlan, plan_step
 from .trackers import AcceptanceTracker, LengthPredictor
 
 Reason = Literal[
@@ -26,10 +32,10 @@ Reason = Literal[
     "prefill_cost",  # would pay per step, but the draft's prompt prefill is not amortised over L
     "no_draft",  # no draft replica answers
     "stale_load",  # load figures too old to trust; plain is the safe side
-    "exploration",  # an 'off' turned on at small k so α stays measured
 ]
 
-_OFF_EXPLORABLE: frozenset[str] = frozenset({"high_load", "low_acceptance", "prefill_cost"})
+# Off decisions the step planner may still turn on (or explore) as load and acceptance move.
+_ADAPTIVE_OFF: frozenset[str] = frozenset({"high_load", "low_acceptance", "prefill_cost"})
 
 
 class _Strict(BaseModel):
@@ -99,13 +105,13 @@ class SpeculationDecision(_Strict):
 class PolicyConfig(_Strict):
     margin: float = Field(1.05, ge=1.0, description="predicted speedup needed to speculate")
     min_output_tokens: int = Field(16, ge=1)
-    exploration_share: float = Field(0.05, ge=0.0, le=1.0)
+    explore_every_steps: int = Field(
+        64, ge=0, description="engine steps without an adaptive draft before one exploration step; 0: never")
     exploration_k: int = Field(2, ge=1)
     max_k: int = Field(8, ge=1, le=64)
     default_k: int = Field(4, ge=1, description="k for speculation 'on' without num_speculative_tokens")
     overlap: bool = Field(False, description="draft runs on its own device, overlapped with verify")
     stale_after_s: float = Field(10.0, gt=0)
-    seed: int = 0
     prior_alpha: float = Field(0.6, ge=0.0, le=1.0)
     acceptance_half_life_tokens: float = Field(512.0, gt=0)
     length_window: int = Field(256, ge=1)
@@ -133,7 +139,6 @@ class SpeculationPolicy:
         self.lengths = lengths or LengthPredictor(
             window=c.length_window, quantile=c.length_quantile, min_samples=c.length_min_samples
         )
-        self._rng = random.Random(c.seed)  # seeded: exploration is reproducible in tests
         self._seen: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -200,63 +205,22 @@ class SpeculationPolicy:
         _, s_idle = best_spec_k(alpha, 1, self.costs, max_k, prompt_tokens=request.prompt_tokens, output_tokens=L, **kw)
         _, s_free = best_spec_k(alpha, 1, self.costs, max_k, **kw)
         reason: Reason = "high_load" if s_idle > c.margin else ("prefill_cost" if s_free > c.margin else "low_acceptance")
-        return self._maybe_explore(SpeculationDecision(speculate=False, k=0, reason=reason, **common))
+        return SpeculationDecision(speculate=False, k=0, reason=reason, **common)
+
+    def engine_depth(self, decision: SpeculationDecision, max_tokens: int) -> tuple[int, bool]:
+        """(most drafts per step, adaptive?) for the engine, from the router's decision."""
+        if decision.reason == "forced_on":
+            return decision.k, False
+        if decision.speculate or decision.reason in _ADAPTIVE_OFF:
+            return max(0, min(self.config.max_k, max_tokens - 1)), True
+        return 0, False
 
     def _draft_batch(self, load: LoadSnapshot, b: int) -> int:
         # The draft may serve other targets too: its batch is at least ours, maybe more.
         return max(b, load.draft_running_sequences + 1)
 
-    def _maybe_explore(self, d: SpeculationDecision) -> SpeculationDecision:
-        """Turn a small share of 'off' decisions into shallow speculation, so α keeps being
-        measured when the policy mostly says off (otherwise a class judged low-acceptance once
-        would never be re-measured). The engine must keep k >= 1 for these (choose_step_k's
-        min_k), or the sample is lost."""
-        if d.reason not in _OFF_EXPLORABLE or self.config.exploration_share <= 0:
-            return d
-        with self._lock:
-            draw = self._rng.random()
-        if draw >= self.config.exploration_share:
-            return d
-        k = min(self.config.exploration_k, self.config.max_k)
-        return d.model_copy(update={"speculate": True, "k": k, "reason": "exploration"})
-
     # -- per step, in the engine ---------------------------------------------------------------
-    def choose_step_k(
-        self,
-        seq_alpha: float,
-        batch_size: int,
-        max_k: int | None = None,
-        *,
-        per_position: list[float] | None = None,
-        remaining_tokens: int | None = None,
-        min_k: int = 0,
-        draft_batch: int | None = None,
-    ) -> int:
-        """k for one sequence's next step: the cost-model optimum at the live batch, 0 when plain
-        is better. No prefill term: the draft's prompt is already paid for."""
-        return choose_step_k(seq_alpha, batch_size, self.config.max_k if max_k is None else max_k, self.costs,
-                             margin=self.config.margin, overlap=self.config.overlap, per_position=per_position,
-                             remaining_tokens=remaining_tokens, min_k=min_k, draft_batch=draft_batch)
-
-
-def choose_step_k(
-    seq_alpha: float,
-    batch_size: int,
-    max_k: int,
-    costs: StepCosts | None = None,
-    *,
-    margin: float = 1.0,
-    overlap: bool = False,
-    per_position: list[float] | None = None,
-    remaining_tokens: int | None = None,
-    min_k: int = 0,
-    draft_batch: int | None = None,
-) -> int:
-    """Adaptive k for one sequence at one step, from the same cost model as the router."""
-    if remaining_tokens is not None:
-        max_k = min(max_k, remaining_tokens - 1)  # the bonus token covers the last position
-    if max_k <= 0:
-        return 0
-    k, _ = best_k(seq_alpha, batch_size, costs or StepCosts(), max_k, margin=margin, overlap=overlap,
-                  per_position=per_position, draft_batch=draft_batch)
-    return max(k, min(min_k, max_k))
+    def plan_step(self, candidates: list[StepCandidate], explore_k: int | None = None) -> StepPlan:
+        """The batch's plan for one engine step (app/policy/step_plan.py) on this policy's costs."""
+        return plan_step(candidates, self.costs, margin=self.config.margin, explore_k=explore_k,
+                         overlap=self.config.overlap)

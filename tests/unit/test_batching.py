@@ -59,6 +59,49 @@ def test_staggered_mixed_batch_equals_each_alone(
     assert proposer.num_cached_sequences() == 0
 
 
+def test_step_planner_moves_depth_per_step_without_changing_tokens(
+    target_runner, draft_runner, encode, plain_greedy, check_against_reference, drive
+):
+    """The engine hands the planner the batch and each sequence's cap (its k, bounded by the
+    output left); an adaptive sequence drafts whatever the plan says (0 included), a forced one
+    its cap every step, and the tokens stay the plain greedy ones whatever the plan."""
+    proposer = DraftModelProposer(runner=draft_runner)
+    calls: list[list[tuple[str, int]]] = []
+
+    def planner(batch, caps):
+        calls.append([(s.seq_id, c) for s, c in zip(batch, caps)])
+        step = len(calls)
+        # adaptive: plain on even steps, one draft on every third, the cap otherwise
+        return [c if not s.adaptive else (0 if step % 2 == 0 else (1 if step % 3 == 0 else c))
+                for s, c in zip(batch, caps)]
+
+    engine = SpecEngine(target_runner, proposer, plan_k=planner)
+    reqs = {"auto": ("def fibonacci(n):\n    ", 30, 4, True), "forced": ("class Stack:\n", 20, 3, False),
+            "plain": ("The quick brown fox", 12, 0, True)}
+    for rid, (prompt, max_tokens, k, adaptive) in reqs.items():
+        engine.add(rid, encode(prompt), SamplingParams(max_tokens=max_tokens), k=k, adaptive=adaptive)
+    out: dict = {}
+    drafted_per_step: list[dict[str, int]] = []
+    while engine.has_work():
+        updates = engine.step()
+        drive.collect(out, updates)
+        drafted_per_step.append({u.seq_id: u.drafted for u in updates})
+    for rid, (prompt, max_tokens, k, _) in reqs.items():
+        r = out[rid]
+        check_against_reference(plain_greedy(encode(prompt), max_tokens), r["tokens"], r["finish"], rid)
+    # caps: never above k, never past the output left (max_tokens - emitted - 1)
+    for call in calls:
+        for rid, cap in call:
+            assert cap <= reqs[rid][2]
+    assert all(cap == 0 for call in calls for rid, cap in call if rid == "plain")
+    auto_drafts = [d["auto"] for d in drafted_per_step if "auto" in d]
+    assert 0 in auto_drafts[1:] and 1 in auto_drafts and 4 in auto_drafts, auto_drafts
+    forced = [d["forced"] for d in drafted_per_step[1:] if "forced" in d]
+    assert forced and all(n in (3, 2, 1, 0) for n in forced) and forced.count(3) >= len(forced) - 3
+    assert out["plain"]["drafted"] == 0
+    assert proposer.num_cached_sequences() == 0
+
+
 def test_abort_mid_run_frees_caches(target_runner, draft_runner, encode, plain_greedy, check_against_reference, drive):
     proposer = DraftModelProposer(runner=draft_runner)
     engine = SpecEngine(target_runner, proposer, limits=EngineLimits(max_num_seqs=3))

@@ -158,13 +158,13 @@ def test_in_memory_recorder() -> None:
     assert rec.acceptance_rate is None and rec.mean_acceptance_length is None
     rec.record_step(12, 7, 3, [3, 2, 1, 1])
     rec.record_step(8, 4, 3, [2, 1, 1])
-    rec.record_decision("speculate", "exploration")
+    rec.record_decision("speculate", "low_load_long_output")
     rec.observe_step("verify", 0.01)
     rec.set_load(1, 2, 3, 4)
     assert rec.acceptance_rate == pytest.approx(11 / 20)
     assert rec.mean_acceptance_length == pytest.approx(1 + 11 / 6)
     assert rec.accepted_per_pos[:4] == [5, 3, 2, 1]
-    assert rec.decisions[("speculate", "exploration")] == 1
+    assert rec.decisions[("speculate", "low_load_long_output")] == 1
     assert rec.load == (1, 2, 3, 4)
 
 

@@ -1,4 +1,4 @@
-"""The per-request decision on constructed snapshots, and the per-step k."""
+"""The per-request decision on constructed snapshots, and its hand-over to the engine."""
 
 import json
 
@@ -12,8 +12,6 @@ from app.policy import (
     PolicyRequest,
     SpeculationDecision,
     SpeculationPolicy,
-    StepCosts,
-    choose_step_k,
 )
 
 IDLE = LoadSnapshot(running_sequences=0, queue_length=0, max_num_seqs=256)
@@ -21,8 +19,7 @@ BUSY = LoadSnapshot(running_sequences=120, queue_length=20, max_num_seqs=256)
 
 
 def _policy(alpha: float | None = None, cls: str = "code", **cfg) -> SpeculationPolicy:
-    """A policy without exploration, optionally with `cls` measured at per-token acceptance alpha."""
-    cfg.setdefault("exploration_share", 0.0)
+    """A policy, optionally with `cls` measured at per-token acceptance alpha."""
     pol = SpeculationPolicy(PolicyConfig(**cfg))
     if alpha is not None:
         for i in range(1000):  # single-token drafts, accepted evenly spread at rate alpha
@@ -100,32 +97,23 @@ def test_overrides_always_win():
     assert high.decide(_req(requested_k=0), IDLE).reason == "forced_off"
 
 
-def test_exploration_share_is_respected_and_deterministic():
-    def run(seed: int, n: int) -> list[str]:
-        pol = _policy(0.2, exploration_share=0.1, seed=seed)
-        return [pol.decide(_req(), IDLE).reason for _ in range(n)]
-
-    reasons = run(7, 2000)
-    share = reasons.count("exploration") / len(reasons)
-    assert 0.08 < share < 0.12  # +-3 sigma of a 10% share over 2000 draws
-    assert set(reasons) == {"exploration", "low_acceptance"}
-    assert run(7, 200) == reasons[:200] and run(8, 200) != reasons[:200]
-    d = _policy(0.2, exploration_share=1.0).decide(_req(), IDLE)
-    assert (d.speculate, d.k) == (True, 2)
-    # never explores where speculation cannot help at all
-    assert _policy(0.2, exploration_share=1.0).decide(_req(max_tokens=4), IDLE).reason == "short_output"
-
-
-def test_choose_step_k_drops_to_zero_as_batch_grows():
-    costs = StepCosts()  # default: verify time grows linearly with tokens past the knee
-    ks = [choose_step_k(0.8, b, 8, costs, margin=1.05) for b in (1, 4, 8, 16, 32, 64, 128)]
-    assert ks[0] >= 3 and ks[-1] == 0
-    assert ks == sorted(ks, reverse=True)
-    pol = _policy()
-    assert pol.choose_step_k(0.8, 128) == 0
-    assert pol.choose_step_k(0.8, 128, min_k=1) == 1  # exploration sequences keep sampling
-    assert pol.choose_step_k(0.95, 1, remaining_tokens=3) == 2
-    assert pol.choose_step_k(0.95, 1, remaining_tokens=1) == 0
+def test_engine_depth_from_the_decision():
+    pol = _policy(0.9)
+    on = pol.decide(_req(), IDLE)
+    assert on.reason == "low_load_long_output"
+    assert pol.engine_depth(on, 512) == (8, True)  # the step planner picks 0..max_k
+    assert pol.engine_depth(on, 5) == (4, True)  # never drafts past the output
+    forced = pol.decide(_req(mode="on", requested_k=3), BUSY)
+    assert pol.engine_depth(forced, 512) == (3, False)  # the override drafts its k every step
+    assert pol.engine_depth(pol.decide(_req(mode="off"), IDLE), 512) == (0, False)
+    short = pol.decide(_req(max_tokens=4), IDLE)
+    assert short.reason == "short_output" and pol.engine_depth(short, 4) == (0, False)
+    busy = pol.decide(_req(), BUSY)
+    assert busy.reason == "high_load" and pol.engine_depth(busy, 512) == (8, True)  # load may fall
+    low = _policy(0.1).decide(_req(), IDLE)
+    assert low.reason == "low_acceptance" and _policy(0.1).engine_depth(low, 512) == (8, True)
+    stale = pol.decide(_req(), IDLE.model_copy(update={"age_s": 60.0}))
+    assert stale.reason == "stale_load" and pol.engine_depth(stale, 512) == (0, False)
 
 
 def test_ingest_measured_times_once_per_publication():

@@ -1,0 +1,136 @@
+"""Per-step plan for a whole batch: which sequences speculate this step, and how deep.
+
+Why per batch, not per sequence: in one engine step every sequence shares the same target
+forward and waits for the same draft call. If even one sequence speculates, the step pays the
+draft's k batched steps plus the draft<->target exchange, and every plain sequence in the batch
+waits for them too. A per-sequence rule ("speculate if it pays for me") ignores that and lets a
+single speculating request slow a batch of plain ones — which is how a per-request policy ends up
+below both fixed policies under load. So the engine asks, at every step, for the plan that
+maximises the batch's goodput:
+
+    tokens(S, k) = Σ_{s∈S} E(α_s, k_s) + (b − |S|)                       emitted this step
+    time(S, k)   = t_target(Σ_{s∈S}(k_s + 1) + (b − |S|))                 one target forward
+                 + [S ≠ ∅] · (max_s k_s · t_draft(|S|) + t_exchange)        the draft call, if any
+                 + t_overhead                                              host work of any step
+
+over S ⊆ adaptive sequences (plus the forced ones, which always speculate at their own k) and a
+common depth k (capped per sequence). For a fixed |S| = m, the best S is the m sequences with
+the highest α (E grows with α and the cost does not depend on which), so the search is over
+(m, k): O(b · max_k) cost-curve lookups.
+
+Exploration lives here too, at step granularity: when no adaptive sequence has drafted for
+`every_steps` steps, one step speculates at a shallow depth so the acceptance estimate stays
+measured. Its cost is bounded by one speculative step in `every_steps` (and that step still
+emits E(α, k) ≥ 1 tokens per sequence), instead of a share of whole requests that keep a batch
+paying the draft call for their whole life.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost_model import StepCosts, expected_tokens_per_step
+
+
+@dataclass(frozen=True)
+class StepCandidate:
+    """One running sequence as the planner sees it."""
+
+    cap: int  # most drafts it may take this step (request's k, remaining output, context); 0: none
+    alpha: float  # per-token acceptance estimate for this sequence
+    adaptive: bool  # True: 'auto', the plan picks 0..cap; False: forced on, speculates at cap
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    ks: list[int]  # drafts per candidate, in input order
+    goodput: float  # predicted tokens per second of the chosen plan
+    plain_goodput: float  # ... with every adaptive sequence decoding plainly
+    explored: bool = False
+
+
+def _time(costs: StepCosts, pass_tokens: int, num_spec: int, depth: int, overlap: bool) -> float:
+    verify = costs.target(max(pass_tokens, 1))  # one target forward over every token of the pass
+    if num_spec == 0:
+        return verify + costs.t_overhead
+    side = depth * costs.t_draft(num_spec) + costs.t_exchange
+    return verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead
+
+
+def plan_step(
+    candidates: list[StepCandidate],
+    costs: StepCosts,
+    *,
+    margin: float = 1.0,
+    explore_k: int | None = None,
+    overlap: bool = False,
+) -> StepPlan:
+    """The goodput-maximising plan for one step (see the module doc).
+
+    `margin`: the adaptive sequences speculate only when that beats the plain plan by this
+    factor (model error absorbs small predicted gains). `explore_k`: if the best plan leaves
+    every adaptive sequence plain, speculate them all at this depth anyway (an exploration step).
+    """
+    b = len(candidates)
+    ks = [0] * b
+    forced = [i for i, c in enumerate(candidates) if c.cap > 0 and not c.adaptive]
+    adaptive = sorted((i for i, c in enumerate(candidates) if c.cap > 0 and c.adaptive),
+                      key=lambda i: -candidates[i].alpha)
+    for i in forced:
+        ks[i] = candidates[i].cap
+    f_tokens = sum(expected_tokens_per_step(candidates[i].alpha, ks[i]) for i in forced)
+    f_pass = sum(ks[i] + 1 for i in forced)
+    f_depth = max((ks[i] for i in forced), default=0)
+    n_rest = b - len(forced)  # plain unless chosen below
+
+    def goodput(m: int, k: int, prefix_e: float, prefix_pass: int, depth: int) -> float:
+        tokens = f_tokens + prefix_e + (n_rest - m)
+        t = _time(costs, f_pass + prefix_pass + (n_rest - m), len(forced) + m, max(f_depth, depth), overlap)
+        return tokens / t if t > 0 else 0.0
+
+    plain = goodput(0, 0, 0.0, 0, 0) if b else 0.0
+    best, best_m, best_k = plain, 0, 0
+    max_cap = max((candidates[i].cap for i in adaptive), default=0)
+    for k in range(1, max_cap + 1):
+        e_sum, pass_sum, depth = 0.0, 0, 0
+        for m, i in enumerate(adaptive, start=1):
+            ki = min(k, candidates[i].cap)
+            e_sum += expected_tokens_per_step(candidates[i].alpha, ki)
+            pass_sum += ki + 1
+            depth = max(depth, ki)
+            g = goodput(m, k, e_sum, pass_sum, depth)
+            if g > best + 1e-12:
+                best, best_m, best_k = g, m, k
+    if best_m and best < plain * margin:
+        best, best_m, best_k = plain, 0, 0
+    explored = False
+    if best_m == 0 and explore_k and adaptive:
+        best_m, best_k, explored = len(adaptive), explore_k, True
+    for i in adaptive[:best_m]:
+        ks[i] = min(best_k, candidates[i].cap)
+    return StepPlan(ks, best, plain, explored)
+
+
+class StepExplorer:
+    """Says when the next step should explore: after `every_steps` steps in which no adaptive
+    sequence drafted while some could have. Not thread-safe: one per engine loop."""
+
+    def __init__(self, every_steps: int, k: int) -> None:
+        if every_steps < 1 or k < 1:
+            raise ValueError(f"exploration needs every_steps >= 1 and k >= 1, got {every_steps}, {k}")
+        self.every_steps, self.k = every_steps, k
+        self._quiet_steps = 0
+        self.explorations = 0
+
+    def explore_k(self) -> int | None:
+        return self.k if self._quiet_steps >= self.every_steps else None
+
+    def record(self, plan: StepPlan, candidates: list[StepCandidate]) -> None:
+        """After planning a step: reset when an adaptive sequence drafts, else count it."""
+        if not any(c.adaptive and c.cap > 0 for c in candidates):
+            return  # nothing could have explored: not a missed measurement
+        if any(k > 0 and c.adaptive for k, c in zip(plan.ks, candidates)):
+            self._quiet_steps = 0
+            self.explorations += plan.explored
+        else:
+            self._quiet_steps += 1

@@ -1,0 +1,145 @@
+"""The per-step batch plan (app/policy/step_plan.py) and step-level exploration."""
+
+import itertools
+import random
+
+import pytest
+
+from app.policy import StepCandidate, StepCosts, StepCostsConfig, StepExplorer, expected_tokens_per_step, plan_step
+
+
+def _costs(**kw) -> StepCosts:
+    """Memory-bound until 64 tokens in the pass; draft step 0.25 of the target's; 1 ms exchange."""
+    return StepCosts(StepCostsConfig(**kw))
+
+
+def _auto(alpha: float, n: int = 1, cap: int = 8) -> list[StepCandidate]:
+    return [StepCandidate(cap, alpha, True) for _ in range(n)]
+
+
+def _goodput(cands: list[StepCandidate], ks: list[int], costs: StepCosts) -> float:
+    """The module doc's formula, written out independently of the planner's search."""
+    tokens = sum(expected_tokens_per_step(c.alpha, k) for c, k in zip(cands, ks))
+    t = costs.target(sum(k + 1 for k in ks)) + costs.t_overhead
+    spec = [k for k in ks if k]
+    if spec:
+        t += max(spec) * costs.t_draft(len(spec)) + costs.t_exchange
+    return tokens / t
+
+
+def test_one_predictable_sequence_on_an_idle_replica_speculates_deep() -> None:
+    plan = plan_step(_auto(0.9), _costs(), margin=1.05)
+    assert plan.ks[0] >= 4
+    assert plan.goodput > 1.5 * plan.plain_goodput
+
+
+def test_compute_bound_batch_stays_plain() -> None:
+    plan = plan_step(_auto(0.9, n=64), _costs(), margin=1.05)
+    assert plan.ks == [0] * 64 and not plan.explored
+    assert plan.goodput == plan.plain_goodput
+
+
+def test_depth_shrinks_then_stops_as_the_batch_grows() -> None:
+    deepest = [max(plan_step(_auto(0.8, n=b), _costs(), margin=1.05).ks) for b in (1, 4, 8, 16, 32, 64)]
+    assert deepest[0] >= 3 and deepest[-1] == 0
+    assert deepest == sorted(deepest, reverse=True)
+
+
+def test_low_acceptance_does_not_pay_for_the_draft() -> None:
+    assert plan_step(_auto(0.05, n=2), _costs(), margin=1.05).ks == [0, 0]
+
+
+def test_the_most_predictable_sequences_speculate_first() -> None:
+    # 12 sequences near the knee: only the high-acceptance third is worth its extra pass tokens
+    cands = _auto(0.95, 4) + _auto(0.1, 8)
+    random.Random(0).shuffle(cands)
+    plan = plan_step(cands, _costs(knee_tokens=16, draft_ratio=0.1, exchange_s=0.0), margin=1.05)
+    assert sorted(c.alpha for c, k in zip(cands, plan.ks) if k) == [0.95] * 4
+
+
+def test_forced_sequences_always_draft_and_make_the_draft_call_cheap_to_join() -> None:
+    # An expensive exchange: alone, a batch of 8 auto sequences does better plainly...
+    costs = _costs(exchange_s=0.05)
+    alone = plan_step(_auto(0.7, n=8), costs, margin=1.05)
+    assert alone.ks == [0] * 8
+    # ...but once a forced 'on' request pays for the draft call, joining it pays.
+    forced = StepCandidate(3, 0.05, False)
+    plan = plan_step([forced] + _auto(0.7, n=8), costs, margin=1.05)
+    assert plan.ks[0] == 3  # the override wins even at near-zero acceptance
+    assert all(k > 0 for k in plan.ks[1:])
+
+
+def test_caps_are_respected_and_zero_cap_never_drafts() -> None:
+    cands = [StepCandidate(2, 0.99, True), StepCandidate(0, 0.99, True), StepCandidate(0, 0.99, False)]
+    plan = plan_step(cands, _costs(), margin=1.0)
+    assert plan.ks == [2, 0, 0]
+
+
+def test_margin_keeps_a_marginal_gain_plain() -> None:
+    cands = _auto(0.6, n=8)
+    costs = _costs()
+    free = plan_step(cands, costs, margin=1.0)
+    assert any(free.ks)
+    gain = free.goodput / free.plain_goodput
+    assert plan_step(cands, costs, margin=gain + 0.01).ks == [0] * 8
+    assert any(plan_step(cands, costs, margin=gain - 0.01).ks)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_is_the_optimum_over_every_subset_and_depth(seed: int) -> None:
+    """Brute force over every subset of the adaptive sequences and every common depth: the
+    top-m-by-alpha search finds the same best goodput, and reports it correctly."""
+    rng = random.Random(seed)
+    costs = _costs(target_step_s=0.02, knee_tokens=rng.choice([4, 16, 64]), exchange_s=rng.choice([0.0, 0.004, 0.02]),
+                   overhead_s=rng.choice([0.0, 0.01]))
+    cands = [StepCandidate(rng.randint(0, 5), rng.random(), rng.random() < 0.8) for _ in range(rng.randint(1, 6))]
+    plan = plan_step(cands, costs)
+    assert plan.goodput == pytest.approx(_goodput(cands, plan.ks, costs))
+    forced = [c.cap if not c.adaptive else 0 for c in cands]
+    adaptive = [i for i, c in enumerate(cands) if c.adaptive and c.cap > 0]
+    best = _goodput(cands, forced, costs)
+    for r in range(1, len(adaptive) + 1):
+        for subset in itertools.combinations(adaptive, r):
+            for k in range(1, 6):
+                ks = list(forced)
+                for i in subset:
+                    ks[i] = min(k, cands[i].cap)
+                best = max(best, _goodput(cands, ks, costs))
+    assert plan.goodput == pytest.approx(best)
+
+
+def test_host_overhead_per_step_favours_steps_that_emit_more() -> None:
+    # a flat target at the knee with a costly draft call: plain wins without host overhead...
+    cands = _auto(0.6, n=4)
+    assert plan_step(cands, _costs(exchange_s=0.02), margin=1.05).ks == [0] * 4
+    # ...but a large fixed host cost per step is amortised over E(k) tokens when speculating
+    assert any(plan_step(cands, _costs(exchange_s=0.02, overhead_s=0.1), margin=1.05).ks)
+
+
+def test_explore_k_turns_an_all_plain_plan_into_a_shallow_one() -> None:
+    cands = _auto(0.9, n=64) + [StepCandidate(0, 0.9, True)]
+    plan = plan_step(cands, _costs(), margin=1.05, explore_k=2)
+    assert plan.explored
+    assert plan.ks == [2] * 64 + [0]
+    # a plan that already speculates is not changed by exploration
+    idle = plan_step(_auto(0.9), _costs(), explore_k=2)
+    assert not idle.explored and idle.ks[0] >= 4
+
+
+def test_explorer_asks_after_quiet_steps_and_resets_when_measured() -> None:
+    ex = StepExplorer(every_steps=3, k=2)
+    auto, costs = _auto(0.9, n=64), _costs()
+    asked = []
+    for _ in range(8):
+        k = ex.explore_k()
+        asked.append(k)
+        ex.record(plan_step(auto, costs, margin=1.05, explore_k=k), auto)
+    assert asked == [None, None, None, 2, None, None, None, 2]
+    assert ex.explorations == 2
+    # steps with nothing adaptive to explore are not counted as missed measurements
+    ex2 = StepExplorer(every_steps=1, k=2)
+    forced_only = [StepCandidate(0, 0.5, True), StepCandidate(3, 0.5, False)]
+    ex2.record(plan_step(forced_only, costs), forced_only)
+    assert ex2.explore_k() is None
+    with pytest.raises(ValueError, match="every_steps"):
+        StepExplorer(every_steps=0, k=2)
