@@ -37,8 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ValueError, OSError) as e:
         print(f"specserve: {e}", file=sys.stderr)
         return 2
-    speculate = args.speculation == "on"
-    k = (args.num_speculative_tokens or config.speculation.num_speculative_tokens) if speculate else 0
+    k = args.num_speculative_tokens
+    max_k = config.speculation.max_speculative_tokens
+    if k is not None and not 0 <= k <= max_k:
+        print(f"specserve: --num-speculative-tokens {k} is outside 0..{max_k} "
+              f"(speculation.max_speculative_tokens in {args.config})", file=sys.stderr)
+        return 2
+    if k is None:
+        k = config.speculation.num_speculative_tokens
+    speculate = args.speculation == "on" and k > 0  # an explicit 0 means plain decoding
+    k = k if speculate else 0
     engine = build_engine(config, speculate=speculate)
     prompt_ids = engine.runner.tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     result = generate(engine, prompt_ids, sampling, k)

@@ -6,8 +6,6 @@ mid-request is replaced transparently: the request is re-issued to another repli
 the prompt plus every token already streamed, so the stream continues where it stopped.
 """
 
-
-
 import json
 import logging
 import time
@@ -19,6 +17,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import AppConfig
 from app.generation_protocol import GenerateChunk, GenerateRequest
@@ -37,6 +36,19 @@ fastapi_app = FastAPI(title="specserve", description="speculative decoding on Ra
 PLAYGROUND = Path(__file__).resolve().parent.parent / "app" / "static" / "playground.html"
 DEFAULT_MAX_TOKENS = 256
 STATS_FRESH_S = 3.0  # published running/waiting older than this are not trusted (stats period: 1 s)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and wrong methods answer OpenAI error JSON too, not FastAPI's {"detail"}."""
+    if exc.status_code == 404:
+        message = f"no such route: {request.method} {request.url.path} (see /docs for the API)"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return JSONResponse(error_body(message, "invalid_request_error", code=str(exc.status_code)),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:

@@ -193,9 +193,13 @@ def test_boundaries_are_accepted(client: httpx.Client) -> None:
 
 
 def test_wrong_method_and_unknown_route_are_4xx_json(client: httpx.Client) -> None:
-    for r in (client.get(C), client.get("/v1/no-such-route"), client.post("/v1/models", json={})):
-        assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    for r, status in ((client.get(C), 405), (client.get("/v1/no-such-route"), 404),
+                      (client.post("/v1/models", json={}), 405)):
+        assert r.status_code == status, (r.status_code, r.text)
         assert r.headers["content-type"].startswith("application/json")
+        error = r.json()["error"]  # OpenAI error JSON, not FastAPI's {"detail": ...}
+        assert error["type"] == "invalid_request_error" and error["code"] == str(status)
+        assert r.request.url.path in error["message"]
 
 
 def test_still_healthy_after_bad_inputs(client: httpx.Client) -> None:

@@ -47,6 +47,11 @@ def test_json_sampled_with_seed_is_reproducible_and_uses_config_k(capsys):
     assert a["num_speculative_tokens"] == 4  # from configs/engine.yaml
 
 
+def test_explicit_zero_speculative_tokens_means_plain(capsys):
+    out = run_json(capsys, "--speculation", "on", "--num-speculative-tokens", "0")
+    assert out["num_speculative_tokens"] == 0 and out["drafted_tokens"] == 0
+
+
 def test_ngram_config_and_stop(capsys, tmp_path):
     config = yaml.safe_load((PROJECT_ROOT / "configs/engine.yaml").read_text())
     config["speculation"] = {"proposer": "ngram", "num_speculative_tokens": 3}
@@ -71,6 +76,8 @@ def test_plain_text_output(capsys):
         (["--config", "/nonexistent.yaml"], "No such file"),
         (["--config", CONFIG, "--temperature", "5"], "temperature"),
         (["--config", CONFIG, "--max-tokens", "0"], "max_tokens"),
+        (["--config", CONFIG, "--num-speculative-tokens", "-1"], "outside 0..8"),
+        (["--config", CONFIG, "--num-speculative-tokens", "99"], "outside 0..8"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, argv, err):
