@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.policy.decision import PolicyConfig
+
 Dtype = Literal["float32", "float16", "bfloat16"]
 ProposerKind = Literal["draft_model", "ngram"]
 SpeculationMode = Literal["auto", "on", "off"]
@@ -128,6 +130,7 @@ class AppConfig(StrictModel):
     target_deployment: DeploymentOptions = DeploymentOptions()
     draft_deployment: DeploymentOptions = DeploymentOptions()
     router_deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=256)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="the speculation policy (app/policy)")
 
 
 def load_yaml(path: str | Path) -> dict:

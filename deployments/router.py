@@ -94,7 +94,7 @@ class Router:
         cfg = self.config.engine.target
         self.max_context = cfg.max_context or int(getattr(self.tokenizer, "model_max_length", 2048))
         self.has_draft = self.config.engine.draft is not None or self.config.engine.speculation.proposer == "ngram"
-        self.policy = SpeculationPolicy()
+        self.policy = SpeculationPolicy(self.config.policy)
         self.metrics = ServeMetrics()
         self.in_flight = 0
         self.failovers = 0  # target replica failures survived by re-issuing (RequestRun)

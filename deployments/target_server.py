@@ -134,7 +134,7 @@ class TargetServer:
             proposer = NgramProposer(engine_cfg.speculation.ngram_min, engine_cfg.speculation.ngram_max)
         elif draft is not None:
             proposer = DraftClient(self.replica_id, RemoteDraftTransport(draft))
-        self.policy = SpeculationPolicy(acceptance=AcceptanceTracker(pair=self.config.model_name))
+        self.policy = SpeculationPolicy(self.config.policy, acceptance=AcceptanceTracker(pair=self.config.model_name))
         self.engine = SpecEngine(
             runner, proposer, engine_cfg.limits, max_k=engine_cfg.speculation.max_speculative_tokens,
             plan_k=self._plan_k,

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .cost_model import StepCosts, best_k, best_spec_k, speedup
+from .cost_model import StepCosts, StepCostsConfig, best_k, best_spec_k, speedup
 from .step_plan import StepCandidate, StepPlan, plan_step
 from .trackers import AcceptanceTracker, LengthPredictor
 
@@ -117,6 +117,7 @@ class PolicyConfig(_Strict):
     length_window: int = Field(256, ge=1)
     length_quantile: float = Field(0.9, gt=0.0, lt=1.0)
     length_min_samples: int = Field(8, ge=1)
+    costs: StepCostsConfig = Field(default_factory=StepCostsConfig, description="priors and host costs of the cost model")
 
 
 class SpeculationPolicy:
@@ -132,7 +133,7 @@ class SpeculationPolicy:
     ) -> None:
         c = config or PolicyConfig()
         self.config = c
-        self.costs = costs or StepCosts()
+        self.costs = costs or StepCosts(c.costs)
         self.acceptance = acceptance or AcceptanceTracker(
             prior_alpha=c.prior_alpha, half_life_tokens=c.acceptance_half_life_tokens, max_positions=c.max_k
         )

@@ -11,9 +11,10 @@ maximises the batch's goodput:
     tokens(S, k) = Σ_{s∈S} E(α_s, k_s) + (b − |S|)                       emitted this step
     time(S, k)   = t_target(Σ_{s∈S}(k_s + 1) + (b − |S|))                 one target forward
                  + [S ≠ ∅] · (max_s k_s · t_draft(|S|) + t_exchange)        the draft call, if any
-                 + t_overhead                                              host work of any step
+                 + t_overhead + b · t_chunk                                host work of any step
 
-over S ⊆ adaptive sequences (plus the forced ones, which always speculate at their own k) and a
+(t_chunk: streaming one sequence's chunk, where the router shares the model's cores) over
+S ⊆ adaptive sequences (plus the forced ones, which always speculate at their own k) and a
 common depth k (capped per sequence). For a fixed |S| = m, the best S is the m sequences with
 the highest α (E grows with α and the cost does not depend on which), so the search is over
 (m, k): O(b · max_k) cost-curve lookups.
@@ -49,12 +50,12 @@ class StepPlan:
     explored: bool = False
 
 
-def _time(costs: StepCosts, pass_tokens: int, num_spec: int, depth: int, overlap: bool) -> float:
+def _time(costs: StepCosts, pass_tokens: int, num_spec: int, depth: int, overlap: bool, host: float) -> float:
     verify = costs.target(max(pass_tokens, 1))  # one target forward over every token of the pass
     if num_spec == 0:
-        return verify + costs.t_overhead
+        return verify + host
     side = depth * costs.t_draft(num_spec) + costs.t_exchange
-    return verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead
+    return verify + (max(0.0, side - verify) if overlap else side) + host
 
 
 def plan_step(
@@ -82,10 +83,11 @@ def plan_step(
     f_pass = sum(ks[i] + 1 for i in forced)
     f_depth = max((ks[i] for i in forced), default=0)
     n_rest = b - len(forced)  # plain unless chosen below
+    host = costs.t_overhead + costs.t_emit(b)  # the same for every plan of this step
 
     def goodput(m: int, k: int, prefix_e: float, prefix_pass: int, depth: int) -> float:
         tokens = f_tokens + prefix_e + (n_rest - m)
-        t = _time(costs, f_pass + prefix_pass + (n_rest - m), len(forced) + m, max(f_depth, depth), overlap)
+        t = _time(costs, f_pass + prefix_pass + (n_rest - m), len(forced) + m, max(f_depth, depth), overlap, host)
         return tokens / t if t > 0 else 0.0
 
     plain = goodput(0, 0, 0.0, 0, 0) if b else 0.0

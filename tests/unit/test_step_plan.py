@@ -20,7 +20,7 @@ def _auto(alpha: float, n: int = 1, cap: int = 8) -> list[StepCandidate]:
 def _goodput(cands: list[StepCandidate], ks: list[int], costs: StepCosts) -> float:
     """The module doc's formula, written out independently of the planner's search."""
     tokens = sum(expected_tokens_per_step(c.alpha, k) for c, k in zip(cands, ks))
-    t = costs.target(sum(k + 1 for k in ks)) + costs.t_overhead
+    t = costs.target(sum(k + 1 for k in ks)) + costs.t_overhead + len(ks) * costs.config.chunk_s
     spec = [k for k in ks if k]
     if spec:
         t += max(spec) * costs.t_draft(len(spec)) + costs.t_exchange
@@ -91,7 +91,7 @@ def test_plan_is_the_optimum_over_every_subset_and_depth(seed: int) -> None:
     top-m-by-alpha search finds the same best goodput, and reports it correctly."""
     rng = random.Random(seed)
     costs = _costs(target_step_s=0.02, knee_tokens=rng.choice([4, 16, 64]), exchange_s=rng.choice([0.0, 0.004, 0.02]),
-                   overhead_s=rng.choice([0.0, 0.01]))
+                   overhead_s=rng.choice([0.0, 0.01]), chunk_s=rng.choice([0.0, 0.002]))
     cands = [StepCandidate(rng.randint(0, 5), rng.random(), rng.random() < 0.8) for _ in range(rng.randint(1, 6))]
     plan = plan_step(cands, costs)
     assert plan.goodput == pytest.approx(_goodput(cands, plan.ks, costs))
@@ -114,6 +114,8 @@ def test_host_overhead_per_step_favours_steps_that_emit_more() -> None:
     assert plan_step(cands, _costs(exchange_s=0.02), margin=1.05).ks == [0] * 4
     # ...but a large fixed host cost per step is amortised over E(k) tokens when speculating
     assert any(plan_step(cands, _costs(exchange_s=0.02, overhead_s=0.1), margin=1.05).ks)
+    # the same for a host cost per streamed chunk, which grows with the batch
+    assert any(plan_step(cands, _costs(exchange_s=0.02, chunk_s=0.03), margin=1.05).ks)
 
 
 def test_explore_k_turns_an_all_plain_plan_into_a_shallow_one() -> None:
