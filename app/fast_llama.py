@@ -19,11 +19,18 @@ import torch.nn.functional as F
 
 class FastLlama:
     def __init__(self, hf_model: torch.nn.Module, max_batch: int = 1, max_len: int = 1024,
-                 compile_elementwise: bool = False) -> None:
+                 compile_elementwise: bool = False, compile_forward: str | None = None) -> None:
         cfg = hf_model.config
+        if compile_elementwise and compile_forward:
+            raise ValueError("compile_forward already fuses the elementwise ops: pass one of the two")
         # Fusing the small elementwise ops (RMSNorm, RoPE, SiLU*up) with torch.compile cuts
         # the kernels per layer roughly 3x; the GEMMs stay cuBLAS. Compiles in seconds, not minutes.
         fuse = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile_elementwise else (lambda f: f)
+        # compile_forward: a torch.compile mode for the whole forward (e.g. "max-autotune-no-cudagraphs":
+        # Inductor may also pick Triton GEMM/GEMV kernels for the skinny decode shapes). One compile
+        # per input shape, minutes for an 8B; CUDA graphs are still captured by capture().
+        self._forward_fn = (torch.compile(self._forward, mode=compile_forward, fullgraph=True, dynamic=False)
+                            if compile_forward else self._forward)
         self._norm, self._rope, self._silu_mul = fuse(_rms_norm), fuse(_rope), fuse(_silu_mul)
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
@@ -64,6 +71,15 @@ class FastLlama:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions: `[B, T]` -> logits `[B, T, vocab]`; writes K/V at `positions`."""
+        return self._forward_fn(tokens, positions)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """forward() without the whole-forward compile: a prompt's shape is seen once, and
+        compiling it (minutes with autotuning) would cost more than it saves."""
+        return self._forward(tokens, positions)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, T = tokens.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # [B, T, hidden]

@@ -109,7 +109,7 @@ def plain_decode(fast: FastLlama, prompt: torch.Tensor, n: int) -> tuple[float, 
     out = torch.empty(n, dtype=torch.long, device=DEV)
 
     def go() -> None:
-        logits = fast.forward(prompt, torch.arange(P, device=DEV).view(1, -1))
+        logits = fast.prefill(prompt, torch.arange(P, device=DEV).view(1, -1))
         tok = logits[:, -1].argmax(-1).view(1, 1)
         pos = torch.full((1, 1), P, device=DEV)
         for i in range(n):
@@ -133,8 +133,8 @@ def speculative(target: FastLlama, draft: FastLlama, prompt: torch.Tensor, n: in
     def go() -> None:
         nonlocal drafted, accepted, blocks
         positions = torch.arange(P, device=DEV).view(1, -1)
-        last = int(target.forward(prompt, positions)[:, -1].argmax(-1))
-        draft.forward(prompt[:, :-1], positions[:, :-1])
+        last = int(target.prefill(prompt, positions)[:, -1].argmax(-1))
+        draft.prefill(prompt[:, :-1], positions[:, :-1])
         emitted[:] = [last]
         draft_tail = [int(prompt[0, -1])]  # tokens the draft must still process before proposing
         while len(emitted) < n:
