@@ -108,7 +108,11 @@ class FastLlama:
     def capture(self, width: int, batch: int = 1) -> None:
         """Capture forward() for inputs `[batch, width]` as a CUDA graph (static buffers)."""
         tokens = torch.zeros((batch, width), dtype=torch.long, device=self.device)
-        positions = torch.arange(width, device=self.device).view(1, -1).expand(batch, -1).contiguous()
+        # Warm-up and capture write K/V at these positions: use the cache's last slots, which no
+        # live sequence has reached (entries past a sequence's position are masked, then
+        # overwritten), so capturing after a prefill does not corrupt it.
+        positions = (torch.arange(self.max_len - width, self.max_len, device=self.device)
+                     .view(1, -1).expand(batch, -1).contiguous())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
