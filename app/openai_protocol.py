@@ -97,6 +97,7 @@ class SpeculationUsage(BaseModel):
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     expected_speedup: float | None = None
+    batch_size: int | None = None  # the target batch the router's decision assumed
 
 
 class Usage(BaseModel):

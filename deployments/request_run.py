@@ -180,7 +180,7 @@ class RequestRun:
             adaptive=self.request.adaptive,
             drafted_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens, num_drafts=s.num_drafts,
             acceptance_rate=s.acceptance_rate, mean_acceptance_length=s.mean_acceptance_length,
-            expected_speedup=round(d.expected_speedup, 3),
+            expected_speedup=round(d.expected_speedup, 3), batch_size=d.batch_size,
         )
         n_prompt = len(self.request.prompt_ids)
         return Usage(prompt_tokens=n_prompt, completion_tokens=len(self.tokens),

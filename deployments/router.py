@@ -141,12 +141,12 @@ class Router:
         """For tests and benches (via a handle): what the policy has learned, and the load it sees.
         Async: it runs on the event loop that decides (and ingests), never beside it.
 
-        `ingested` maps target replica -> last publication `seq` taken into the cost model;
+        `ingested` maps "replica/kind" -> last publication counter taken into the cost model;
         `target_curve` / `draft_curve` are (tokens or batch, seconds, measured?) per grid point."""
         costs = self.policy.costs
         return {
             "load": self._load().model_dump(mode="json"),
-            "ingested": dict(self.policy._seen),
+            "ingested": {f"{replica}/{kind}": seq for (replica, kind), seq in dict(self.policy._seen).items()},
             "target_curve": [p for p in costs.target.points() if p[2]],
             "draft_curve": [p for p in costs.draft.points() if p[2]],
             "exchange_s": costs.t_exchange,
@@ -264,6 +264,7 @@ class Router:
             # measured step times (TargetServer.StepWindow); `seq` makes the policy ingest each
             # publication once, not once per request decided while it is the latest
             replica=replica, seq=int(stats.get("seq", 0)),
+            **{f"{k}_seq": int(stats.get(f"{k}_seq", 0)) for k in ("decode", "verify", "draft", "exchange")},
             **{k: stats[k] for k in ("decode_step_s", "decode_tokens", "verify_step_s", "verify_tokens",
                                      "draft_step_s", "draft_batch", "exchange_s") if stats.get(k)},
         )

@@ -66,24 +66,29 @@ class RemoteDraftTransport:
 
 
 class StepWindow:
-    """Measured step times for the router's cost model, one window per publication.
+    """Measured step times for the router's cost model, published per kind.
 
     The engine loop thread adds every step; `publish()` (Serve's record_routing_stats, ~1/s)
-    closes the window and returns the mean time and mean tokens per kind measured in it, under a
-    new `seq`. The router's policy ingests each seq once (SpeculationPolicy.ingest dedupes on
-    (replica, seq)). A window with no step re-sends the previous figures under the same seq; a
-    kind with no step in a window is left out of that window's figures.
+    closes the window, and every kind measured in it gets its mean seconds and mean tokens under a
+    new per-kind counter (`<kind>_seq`). A kind not measured in a window keeps its last figures
+    and counter: the router's policy ingests each (replica, kind, counter) once
+    (SpeculationPolicy.ingest), and a rare measurement — the wide pass of an exploration step —
+    reaches it even when another caller read the window it was measured in.
     Kinds: decode (no sequence speculated: tokens = batch), verify (some did: tokens = every
     token of the pass), draft (seconds per draft step at the draft batch = speculating
     sequences), exchange (the draft call's hop, outside the draft's own compute).
+    `seq` counts publications that measured anything.
     """
 
     KINDS = ("decode", "verify", "draft", "exchange")
+    _KEYS = {"decode": ("decode_step_s", "decode_tokens"), "verify": ("verify_step_s", "verify_tokens"),
+             "draft": ("draft_step_s", "draft_batch"), "exchange": ("exchange_s", None)}
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sums = self._empty()
         self.seq = 0
+        self._kind_seq = {kind: 0 for kind in self.KINDS}
         self.last: dict[str, Any] = {}
 
     @staticmethod
@@ -102,24 +107,21 @@ class StepWindow:
     def publish(self) -> dict[str, Any]:
         with self._lock:
             sums, self._sums = self._sums, self._empty()
-        out: dict[str, Any] = {}
-        for kind, key_s, key_n in (("decode", "decode_step_s", "decode_tokens"),
-                                   ("verify", "verify_step_s", "verify_tokens"),
-                                   ("draft", "draft_step_s", "draft_batch")):
-            seconds, tokens, n = sums[kind]
-            if n:
-                out[key_s] = seconds / n
-                out[key_n] = max(1, round(tokens / n))
-        seconds, _, n = sums["exchange"]
-        if n:
-            out["exchange_s"] = seconds / n
-        if out:
-            self.seq += 1
-            self.last = {**out, "seq": self.seq}
-        # An idle window re-sends the latest measurements under their old seq: the router samples
-        # the stats only when it routes a request, so the figures must outlive their window; the
-        # unchanged seq keeps it from ingesting them twice.
-        return dict(self.last) if self.last else {"seq": 0}
+            measured = False
+            for kind, (key_s, key_n) in self._KEYS.items():
+                seconds, tokens, n = sums[kind]
+                if not n:
+                    continue
+                measured = True
+                self._kind_seq[kind] += 1
+                self.last[key_s] = seconds / n
+                if key_n is not None:
+                    self.last[key_n] = max(1, round(tokens / n))
+                self.last[f"{kind}_seq"] = self._kind_seq[kind]
+            if measured:
+                self.seq += 1
+            self.last["seq"] = self.seq
+            return dict(self.last)
 
 
 @serve.deployment

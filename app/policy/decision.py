@@ -58,6 +58,13 @@ class LoadSnapshot(_Strict):
     age_s: float = Field(0.0, ge=0, description="seconds since the replica published it")
     replica: str = ""
     seq: int = Field(0, ge=0, description="publication counter of the replica; 0: unnumbered, ingested every time")
+    # Per-kind publication counters: a kind's figures are re-published (same counter) until a newer
+    # window measures that kind, so a rare measurement (an exploration step's wide pass) is not lost
+    # to whichever caller happened to read that one window. 0: fall back to `seq`.
+    decode_seq: int = Field(0, ge=0)
+    verify_seq: int = Field(0, ge=0)
+    draft_seq: int = Field(0, ge=0)
+    exchange_seq: int = Field(0, ge=0)
     decode_step_s: float | None = Field(None, gt=0)
     decode_tokens: int | None = Field(None, ge=1, description="tokens in the pass decode_step_s was measured at")
     verify_step_s: float | None = Field(None, gt=0)
@@ -140,23 +147,27 @@ class SpeculationPolicy:
         self.lengths = lengths or LengthPredictor(
             window=c.length_window, quantile=c.length_quantile, min_samples=c.length_min_samples
         )
-        self._seen: dict[str, int] = {}
+        self._seen: dict[tuple[str, str], int] = {}  # (replica, kind) -> last publication ingested
         self._lock = threading.Lock()
 
     # -- feeding -------------------------------------------------------------------------------
     def ingest(self, load: LoadSnapshot) -> None:
-        """Take a replica's measured step times into the cost model, once per publication."""
+        """Take a replica's measured step times into the cost model, each kind once per publication."""
+        fresh = set()
         with self._lock:
-            if load.seq and self._seen.get(load.replica) == load.seq:
-                return
-            self._seen[load.replica] = load.seq
-        if load.decode_step_s is not None and load.decode_tokens is not None:
+            for kind in ("decode", "verify", "draft", "exchange"):
+                seq = getattr(load, f"{kind}_seq") or load.seq
+                if seq and self._seen.get((load.replica, kind)) == seq:
+                    continue
+                self._seen[(load.replica, kind)] = seq
+                fresh.add(kind)
+        if "decode" in fresh and load.decode_step_s is not None and load.decode_tokens is not None:
             self.costs.observe_target(load.decode_tokens, load.decode_step_s)
-        if load.verify_step_s is not None and load.verify_tokens is not None:
+        if "verify" in fresh and load.verify_step_s is not None and load.verify_tokens is not None:
             self.costs.observe_target(load.verify_tokens, load.verify_step_s)
-        if load.draft_step_s is not None and load.draft_batch is not None:
+        if "draft" in fresh and load.draft_step_s is not None and load.draft_batch is not None:
             self.costs.observe_draft(load.draft_batch, load.draft_step_s)
-        if load.exchange_s is not None:
+        if "exchange" in fresh and load.exchange_s is not None:
             self.costs.observe_exchange(load.exchange_s)
 
     def observe_verification(self, prompt_class: str, num_drafted: int, num_accepted: int,

@@ -19,10 +19,12 @@ real application: the real models, draft replica, hop, engine, routing stats and
 
 1. Low load: a long-output code request (96 tokens, ignore_eos) speculates, reason
    low_load_long_output — after the router has ingested measured step times.
-2. Rising load: 24 streaming requests (1000 tokens each) arrive 0.3 s apart and are held open;
-   once all are in the batch, 6 more requests like the first are sent 1 s apart. Verifying
-   b·(k+1) tokens past the knee is expensive, and the router has measured it from the held
-   streams' steps: most of these requests are decided off with reason high_load. Not all: the
+2. Rising load: 24 streaming requests (1000 tokens each) arrive 0.3 s apart and are held open.
+   They are adaptive ('auto'): at this batch the target's step planner keeps them plain, except
+   for an exploration step (one after 64 plain ones) that verifies a wide pass; once one at the
+   full batch has been published, 6 more requests like the first are sent 1 s apart. Verifying
+   b·(k+1) tokens past the knee is expensive, and the router has measured it from that step:
+   most of these requests are decided off with reason high_load. Not all: the
    router reads published step times when it routes a request, so the first request after a
    lull may be decided on slightly older figures (it must have lowered k, though). (Exploration
    is not a router decision: the engine's step planner runs one shallow speculative step after
@@ -172,7 +174,14 @@ async def under_load(base: str) -> tuple[list[int], list[Result]]:
                     t.result()  # a hold that failed or finished early fails the test here
                 assert time.monotonic() < deadline, f"only {len(admitted)} of {HOLDS} held streams admitted"
                 await asyncio.sleep(0.2)
-            await asyncio.sleep(3.0)  # a few routing-stats publications of the full batch's steps
+            # The held streams are adaptive: at this batch the target's step planner keeps them plain,
+            # so wide passes are measured only by its exploration steps (one after 64 plain ones).
+            # Wait for one at the full batch to be published (and so reach the router's cost model).
+            deadline = time.monotonic() + 90
+            while (await asyncio.to_thread(target_load)).get("verify_tokens", 0) < 2 * HOLDS:
+                assert time.monotonic() < deadline, f"no exploration step at the full batch: {target_load()}"
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(2.0)  # the router reads routing stats published every second
             results = await asyncio.gather(*(probe(i, client) for i in range(PROBES)))
             assert not any(t.done() for t in holds), "a held stream ended before the probes were answered"
         finally:
@@ -215,7 +224,8 @@ def test_decisions_flip_off_under_load_and_back(app: str) -> None:
     for r in probes:
         assert r.ok and r.usage is not None, (r.status, r.error)
     decisions = [spec(r) for r in probes]
-    table = [(n, d["mode"], d["reason"], d["k"]) for n, d in zip(seen, decisions)]
+    table = [(n, d["mode"], d["reason"], d["k"], d.get("batch_size"), d.get("expected_speedup"))
+             for n, d in zip(seen, decisions)]
     print("under load (held streams in flight, mode, reason, k):", table)
     assert min(seen) == HOLDS
     state = policy_state()
@@ -223,6 +233,10 @@ def test_decisions_flip_off_under_load_and_back(app: str) -> None:
     assert max(learned_high) > max(learned_low), f"no wider pass was measured under load: {state['target_curve']}"
     off = [d for d in decisions if d["mode"] == "plain" and d["reason"] == "high_load"]
     assert len(off) > len(decisions) / 2, f"under load most decisions must be off/high_load: {table}"
+    # ...and the engine's step plan agreed: at this batch these adaptive requests decoded plainly
+    # except for exploration steps (one shallow step after 64 plain ones).
+    for d in off:
+        assert d["adaptive"] and d["drafted_tokens"] <= MAX_TOKENS // 4, f"drafted under load: {d}"
     # The rest: a request decided on step times a little older than the full batch (the router
     # reads the published stats when it routes a request) — which must already have backed k off.
     for d in decisions:

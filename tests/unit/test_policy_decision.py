@@ -131,6 +131,22 @@ def test_ingest_measured_times_once_per_publication():
     assert not pol.decide(_req(), snap).speculate
 
 
+def test_ingest_per_kind_keeps_a_rare_measurement():
+    """A kind re-published under its old counter is not counted again; a newer one of another
+    kind is, even when the publication's overall `seq` moved on."""
+    pol = _policy(0.9)
+    seen: list[tuple[int, float]] = []
+    pol.costs.observe_target = lambda tokens, seconds: seen.append((tokens, seconds))  # type: ignore[method-assign]
+    wide = IDLE.model_copy(update={"replica": "t0", "seq": 1, "verify_seq": 1, "verify_step_s": 0.5,
+                                   "verify_tokens": 75, "decode_seq": 1, "decode_step_s": 0.1, "decode_tokens": 25})
+    pol.ingest(wide)
+    assert sorted(seen) == [(25, 0.1), (75, 0.5)]
+    pol.ingest(wide.model_copy(update={"seq": 2, "decode_seq": 2, "decode_step_s": 0.11}))
+    assert sorted(seen) == [(25, 0.1), (25, 0.11), (75, 0.5)]  # the verify figures: same publication
+    pol.ingest(wide.model_copy(update={"replica": "t1"}))  # another replica's figures count
+    assert len(seen) == 5
+
+
 def test_decision_schema():
     d = _policy(0.9).decide(_req(), IDLE)
     out = json.loads(json.dumps(d.as_dict()))
