@@ -85,12 +85,12 @@ def plan_step(
     n_rest = b - len(forced)  # plain unless chosen below
     host = costs.t_overhead + costs.t_emit(b)  # the same for every plan of this step
 
-    def goodput(m: int, k: int, prefix_e: float, prefix_pass: int, depth: int) -> float:
+    def goodput(m: int, prefix_e: float, prefix_pass: int, depth: int) -> float:
         tokens = f_tokens + prefix_e + (n_rest - m)
         t = _time(costs, f_pass + prefix_pass + (n_rest - m), len(forced) + m, max(f_depth, depth), overlap, host)
         return tokens / t if t > 0 else 0.0
 
-    plain = goodput(0, 0, 0.0, 0, 0) if b else 0.0
+    plain = goodput(0, 0.0, 0, 0) if b else 0.0
     best, best_m, best_k = plain, 0, 0
     max_cap = max((candidates[i].cap for i in adaptive), default=0)
     for k in range(1, max_cap + 1):
@@ -100,7 +100,7 @@ def plan_step(
             e_sum += expected_tokens_per_step(candidates[i].alpha, ki)
             pass_sum += ki + 1
             depth = max(depth, ki)
-            g = goodput(m, k, e_sum, pass_sum, depth)
+            g = goodput(m, e_sum, pass_sum, depth)
             if g > best + 1e-12:
                 best, best_m, best_k = g, m, k
     if best_m and best < plain * margin:
