@@ -13,16 +13,21 @@ On the CPU it runs eagerly (used by the unit test that checks it against HF's lo
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
 
 class FastLlama:
     def __init__(self, hf_model: torch.nn.Module, max_batch: int = 1, max_len: int = 1024,
-                 compile_elementwise: bool = False, compile_forward: str | None = None) -> None:
+                 compile_elementwise: bool = False, compile_forward: str | None = None,
+                 attention: Literal["sdpa", "grouped"] = "sdpa") -> None:
         cfg = hf_model.config
         if compile_elementwise and compile_forward:
             raise ValueError("compile_forward already fuses the elementwise ops: pass one of the two")
+        if attention not in ("sdpa", "grouped"):
+            raise ValueError(f"attention={attention!r}: pick 'sdpa' or 'grouped'")
         # Fusing the small elementwise ops (RMSNorm, RoPE, SiLU*up) with torch.compile cuts
         # the kernels per layer roughly 3x; the GEMMs stay cuBLAS. Compiles in seconds, not minutes.
         fuse = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile_elementwise else (lambda f: f)
@@ -32,6 +37,9 @@ class FastLlama:
         self._forward_fn = (torch.compile(self._forward, mode=compile_forward, fullgraph=True, dynamic=False)
                             if compile_forward else self._forward)
         self._norm, self._rope, self._silu_mul = fuse(_rms_norm), fuse(_rope), fuse(_silu_mul)
+        # "grouped": two batched GEMMs and one (fusable) masked softmax per layer, reading each KV
+        # head once for its G query heads; SDPA with an explicit mask cannot use its flash kernel.
+        self._attend = fuse(_grouped_attention) if attention == "grouped" else _sdpa_attention
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
         self.n_heads = cfg.num_attention_heads
@@ -98,7 +106,7 @@ class FastLlama:
             kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]  # [B, KV, max_len, D]
             kc.permute(0, 2, 1, 3)[batch_idx, positions] = k.transpose(1, 2)
             vc.permute(0, 2, 1, 3)[batch_idx, positions] = v.transpose(1, 2)
-            attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=(H != KV))
+            attn = self._attend(q, kc, vc, mask)  # [B, H, T, D]
             x = x + attn.transpose(1, 2).reshape(B, T, H * D) @ L["wo"].T
             h = self._norm(x, L["post_norm"], self.eps)
             x = x + self._silu_mul(h @ L["w_gate_up"].T, self.ffn) @ L["w_down"].T
@@ -113,15 +121,18 @@ class FastLlama:
         # overwritten), so capturing after a prefill does not corrupt it.
         positions = (torch.arange(self.max_len - width, self.max_len, device=self.device)
                      .view(1, -1).expand(batch, -1).contiguous())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels / allocator outside the graph
-                self.forward(tokens, positions)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self.forward(tokens, positions)
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up kernels / allocator outside the graph
+                    self.forward(tokens, positions)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # torch.cuda.graph's default capture stream is shared by the class and lives on
+            # whichever device captured first: give it one on this model's device
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
+                logits = self.forward(tokens, positions)
         self.graphs[(batch, width)] = (graph, tokens, positions, logits)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -132,8 +143,27 @@ class FastLlama:
         graph, tok_buf, pos_buf, logits = entry
         tok_buf.copy_(tokens)
         pos_buf.copy_(positions)
-        graph.replay()
+        with torch.cuda.device(self.device):  # replay() uses the current device's stream
+            graph.replay()
         return logits
+
+
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q `[B, H, T, D]`, k/v `[B, KV, L, D]`, mask `[B, 1, T, L]` (True = visible) -> `[B, H, T, D]`."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=(q.shape[1] != k.shape[1]))
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Same contract as _sdpa_attention. Query head h uses KV head h // G (HF's repeat_kv order),
+    so the G query heads of one KV head fold into rows: `[B, KV, G*T, D]` against `[B, KV, L, D]`."""
+    B, H, T, D = q.shape
+    KV, L = k.shape[1], k.shape[2]
+    G = H // KV
+    qg = q.reshape(B, KV, G * T, D)
+    scores = (qg @ k.transpose(-1, -2)).float() * D ** -0.5  # [B, KV, G*T, L]
+    scores = scores.view(B, KV, G, T, L).masked_fill(~mask.view(B, 1, 1, T, L), float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype).view(B, KV, G * T, L)
+    return (probs @ v).view(B, H, T, D)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

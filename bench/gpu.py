@@ -1,33 +1,37 @@
-"""GPU speed at batch 1: HF eager, HF assisted generation, ours plain, ours speculative, roofline.
+"""GPU speed at batch 1: HF eager, HF assisted, ours plain, ours speculative sequential and overlapped.
 
     python3 -m bench.gpu [--new-tokens 256] [--prompt-tokens 128] [--out bench/out/gpu.json]
 
 Llama-3.1-8B / Llama-3.2-1B *shaped* models with random bf16 weights are built on the GPU.
 Random weights agree on nothing, so speculative speed is measured at controlled acceptance
-(DESIGN "Models here"): the draft model really runs k steps per block (its cost is real)
-but the proposed tokens are the target's own greedy continuation with probability alpha per
-token, a wrong token otherwise; verification is real (target forward over k+1 tokens and
-argmax comparison). The embedded trained pair runs at its natural acceptance.
+(`app.fast_decode.ControlledAcceptance`): the draft model really runs every step (its cost is
+real) but proposes the target's own greedy token with probability alpha, a wrong one otherwise;
+verification is real. Sequential mode runs the draft on the target's GPU; overlapped mode (when
+the host has a second GPU) runs it on cuda:1 while the target verifies on cuda:0. k (and the
+overlap depth) are chosen per alpha from the step costs measured in this run, by the same rules
+the loop follows (`predicted_tokens_per_second`); "achieved / predicted" compares the measured
+speed with that model. The embedded trained pair runs at its natural acceptance.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
 import torch
 
+from app.fast_decode import (ControlledAcceptance, GreedyLoop, plain_generate, predicted_tokens_per_second,
+                             read_back, speculative_generate, to_device)
 from app.fast_llama import FastLlama
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
 
 
 SHAPES = {
@@ -38,7 +42,7 @@ SHAPES = {
 }
 
 
-def random_llama(shape: str):
+def random_llama(shape: str, device: str = "cuda"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -48,7 +52,7 @@ def random_llama(shape: str):
         **SHAPES[shape],
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     # Random weights make a chaotic function: a one-token pass and a (k+1)-token pass pick
     # different argmaxes after tiny rounding differences, and the greedy "reference"
@@ -97,87 +101,104 @@ def hf_generate(model, prompt: torch.Tensor, n: int, assistant=None) -> float:
 
 
 def step_time(fast: FastLlama, width: int, reps: int = 50) -> float:
-    tok = torch.zeros((1, width), dtype=torch.long, device=DEV)
-    pos = torch.arange(300, 300 + width, device=DEV).view(1, -1)
+    """One graph replay over `[1, width]` (captured beforehand), in seconds."""
+    tok = torch.zeros((1, width), dtype=torch.long, device=fast.device)
+    pos = torch.arange(300, 300 + width, device=fast.device).view(1, -1)
     fast.run(tok, pos)
     return timed(lambda: [fast.run(tok, pos) for _ in range(reps)]) / reps
 
 
-def plain_decode(fast: FastLlama, prompt: torch.Tensor, n: int) -> tuple[float, list[int]]:
-    """Greedy, one graph replay per token, no host sync until the end."""
-    P = prompt.shape[1]
-    out = torch.empty(n, dtype=torch.long, device=DEV)
+def loop_step_time(loop: GreedyLoop, reps: int = 50) -> float:
+    """One step of the on-device greedy loop (forward + argmax + proposer + feed back)."""
+    loop.reset([1], 200)
+    loop.advance(5)
+    loop.reset([1], 200)
+    return timed(lambda: loop.advance(reps)) / reps
+
+
+def decode_only(loop: GreedyLoop, prompt: torch.Tensor, n: int) -> float:
+    """Plain decoding's rate with the prompt's prefill left out (tok/s over n-1 decode steps)."""
+    loop.reset([int(loop.prefill(prompt)[0, -1].argmax())], prompt.shape[1])
+    return (n - 1) / timed(lambda: loop.advance(n - 1))
+
+
+def exchange_time(src: torch.device, dst: torch.device, width: int, reps: int = 200) -> float:
+    """What the host loop pays per pass to move `width` token ids: an async device->pinned copy
+    waited on by event, then a pinned->device copy (median seconds)."""
+    ids = torch.arange(width, device=src)
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        values = read_back(ids).tolist()
+        to_device(values, dst)
+        torch.cuda.synchronize(dst)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def best_k(alpha: float, overlap: bool, t_draft: float, t_verify: dict[int, float], max_k: int) -> tuple[int, int, float]:
+    """(k, overlap steps, predicted tok/s) maximising the loop's cost model."""
+    depths = range(1, 9) if overlap else (0,)
+    return max(((k, L, predicted_tokens_per_second(alpha, k, L, t_draft, t_verify))
+                for k in range(1, max_k + 1) for L in depths), key=lambda c: c[2])
+
+
+class BusyTimer:
+    """CUDA events around every target pass and every batch of draft steps: how long each GPU
+    was busy, so wall time minus busy time shows what the host loop and the exchange cost."""
+
+    def __init__(self, target: FastLlama, draft: GreedyLoop) -> None:
+        self.spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"target": [], "draft": []}
+        self._wrap(target, "run", "target")
+        self._wrap(draft, "advance", "draft")
+        self._objects = (target, draft)
+
+    def _wrap(self, obj, method: str, name: str) -> None:
+        inner = getattr(obj, method)
+
+        def timed_call(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.device(obj.device):
+                start.record()
+                out = inner(*args, **kwargs)
+                end.record()
+            self.spans[name].append((start, end))
+            return out
+
+        setattr(obj, method, timed_call)
+
+    def finish(self) -> dict[str, float]:
+        sync()
+        for obj, method in zip(self._objects, ("run", "advance")):
+            delattr(obj, method)  # the class's method again
+        return {f"{name}_busy_s": sum(s.elapsed_time(e) for s, e in spans) / 1e3 for name, spans in self.spans.items()}
+
+
+def run_spec(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n: int, k: int, L: int) -> dict[str, object]:
+    speculative_generate(target, draft, prompt, 32, k, overlap_steps=L)  # warm-up
+    result: dict[str, object] = {}
 
     def go() -> None:
-        logits = fast.prefill(prompt, torch.arange(P, device=DEV).view(1, -1))
-        tok = logits[:, -1].argmax(-1).view(1, 1)
-        pos = torch.full((1, 1), P, device=DEV)
-        for i in range(n):
-            out[i] = tok[0, 0]
-            tok = fast.run(tok, pos)[:, -1].argmax(-1).view(1, 1)
-            pos = pos + 1
+        result["tokens"], result["stats"] = speculative_generate(target, draft, prompt, n, k, overlap_steps=L)
 
     seconds = timed(go)
-    return n / seconds, out.tolist()
+    st = result["stats"]
+    # the same run again with events around each GPU's work: where the wall time went
+    timer = BusyTimer(target, draft)
+    seconds_timed = timed(go)
+    busy = timer.finish()
+    return {"tokens": result["tokens"], "tok_s": n / seconds, "k": k, "overlap_steps": L,
+            "acceptance_rate": st.acceptance_rate, "per_token_acceptance": st.per_token_acceptance,
+            "tokens_per_pass": n / st.passes, "passes": st.passes, "restarts": st.restarts,
+            "draft_steps": st.draft_steps, "proposals_per_pass": dict(sorted(st.widths.items())),
+            "ms_per_pass": seconds / st.passes * 1e3,
+            "instrumented": {"wall_s": seconds_timed, **busy,
+                             "target_idle_ms_per_pass": (seconds_timed - busy["target_busy_s"]) / st.passes * 1e3}}
 
 
-def speculative(target: FastLlama, draft: FastLlama, prompt: torch.Tensor, n: int, k: int,
-                alpha: float | None, reference: list[int] | None, seed: int = 0) -> dict[str, float]:
-    """Sequential draft-then-verify blocks. alpha=None: the draft's own greedy proposals."""
-    rng = random.Random(seed)
-    P = prompt.shape[1]
-    vocab = target.lm_head.shape[0]
-    drafted = accepted = blocks = 0
-    emitted: list[int] = []
-
-    def go() -> None:
-        nonlocal drafted, accepted, blocks
-        positions = torch.arange(P, device=DEV).view(1, -1)
-        last = int(target.prefill(prompt, positions)[:, -1].argmax(-1))
-        draft.prefill(prompt[:, :-1], positions[:, :-1])
-        emitted[:] = [last]
-        draft_tail = [int(prompt[0, -1])]  # tokens the draft must still process before proposing
-        while len(emitted) < n:
-            n0 = P + len(emitted) - 1  # position of `last`
-            kk = min(k, n - len(emitted))
-            # --- draft: catch up and propose kk tokens (real cost) ---
-            feed = draft_tail + [last]
-            tok = torch.tensor([feed], device=DEV)
-            pos = torch.arange(n0 - len(feed) + 1, n0 + 1, device=DEV).view(1, -1)
-            props_t = []
-            for j in range(kk):
-                nxt = draft.run(tok, pos)[:, -1].argmax(-1).view(1, 1)
-                props_t.append(nxt)
-                tok, pos = nxt, pos[:, -1:] + 1
-            if alpha is None:
-                props = torch.cat(props_t, dim=1)[0].tolist()
-            else:
-                props = []
-                for j in range(kk):
-                    right = reference[len(emitted) + j]
-                    props.append(right if rng.random() < alpha else (right + 1 + rng.randrange(vocab - 1)) % vocab)
-            # --- verify (real) ---
-            inp = torch.tensor([[last] + props], device=DEV)
-            vpos = torch.arange(n0, n0 + kk + 1, device=DEV).view(1, -1)
-            choice = target.run(inp, vpos)[0].argmax(-1)  # [kk+1]
-            prop_t = inp[0, 1:]
-            a = int((choice[:kk] == prop_t).int().cumprod(0).sum())  # the one host sync per block
-            new = props[:a] + [int(choice[a])]
-            drafted += kk
-            accepted += a
-            blocks += 1
-            # the draft processed last + props[:kk-1]; it still needs props[kk-1] if all were accepted
-            draft_tail = [props[kk - 1]] if a == kk else []
-            emitted.extend(new)
-            last = emitted[-1]
-
-    seconds = timed(go)
-    return {"tokens": emitted[:n], "tok_s": n / seconds, "alpha_measured": accepted / max(1, drafted),
-            "mean_acceptance_length": 1 + accepted / max(1, blocks), "blocks": blocks}
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+EMBEDDED_PROMPT = "import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a configuration file.\"\"\"\n"
 
 
 def embedded_pair(n: int) -> dict[str, object]:
@@ -187,23 +208,20 @@ def embedded_pair(n: int) -> dict[str, object]:
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(DEV).eval()  # noqa: E731
     tok = AutoTokenizer.from_pretrained("models/target")
     prompt = torch.tensor([tok(EMBEDDED_PROMPT, add_special_tokens=False)["input_ids"]], device=DEV)
-    ft, fd = FastLlama(load("models/target"), max_len=prompt.shape[1] + n + 32), FastLlama(load("models/draft"), max_len=prompt.shape[1] + n + 32)
-    if DEV == "cuda":
-        for w in range(1, 8):
-            ft.capture(w)
-        fd.capture(1), fd.capture(2)
-    plain_decode(ft, prompt, n)
-    plain, ref = plain_decode(ft, prompt, n)
+    max_len = prompt.shape[1] + n + 32
+    ft, fd = FastLlama(load("models/target"), max_len=max_len), FastLlama(load("models/draft"), max_len=max_len)
+    for w in range(1, 8):
+        ft.capture(w)
+    plain_loop, draft = GreedyLoop(ft), GreedyLoop(fd)
+    plain_generate(plain_loop, prompt, n)
+    ref: list[int] = []
+    plain = n / timed(lambda: ref.extend(plain_generate(plain_loop, prompt, n)))
     out: dict[str, object] = {"plain_tok_s": plain}
     for k in (2, 4, 6):
-        speculative(ft, fd, prompt, n, k, None, None)
-        r = speculative(ft, fd, prompt, n, k, None, None)
-        out[f"k{k}"] = {"tok_s": r["tok_s"], "speedup": r["tok_s"] / plain, "acceptance_rate": r["alpha_measured"],
-                        "mean_acceptance_length": r["mean_acceptance_length"], "identical_to_plain": r["tokens"] == ref}
+        r = run_spec(ft, draft, prompt, n, k, 0)
+        out[f"k{k}"] = {"tok_s": r["tok_s"], "speedup": r["tok_s"] / plain, "acceptance_rate": r["acceptance_rate"],
+                        "tokens_per_pass": r["tokens_per_pass"], "identical_to_plain": r["tokens"] == ref}
     return out
-
-
-EMBEDDED_PROMPT = "import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a configuration file.\"\"\"\n"
 
 
 def main() -> None:
@@ -213,68 +231,102 @@ def main() -> None:
     parser.add_argument("--alphas", default="0.5,0.7,0.9")
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--no-compile", action="store_true", help="do not fuse elementwise ops with torch.compile")
+    parser.add_argument("--hf-new-tokens", type=int, default=64, help="HF rows decode fewer tokens (they are slow)")
+    parser.add_argument("--attention", default="grouped", choices=["grouped", "sdpa"])
     parser.add_argument("--draft-compile", default=None, metavar="MODE",
-                        help="compile the draft's whole forward with this torch.compile mode (bench/gpu_compile.py: "
-                             "max-autotune-no-cudagraphs made the 1B step 11%% faster on an H200)")
+                        help="compile the draft's whole forward with this torch.compile mode "
+                             "(bench/gpu_compile.py: max-autotune-no-cudagraphs made the 1B step 11%% faster on an H200)")
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu.json"))
     args = parser.parse_args()
-    n, P = args.new_tokens, args.prompt_tokens
-    res: dict[str, object] = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "new_tokens": n, "prompt_tokens": P}
+    n, P, max_k = args.new_tokens, args.prompt_tokens, args.max_k
+    t0 = time.perf_counter()
+    two_gpus = torch.cuda.device_count() > 1
+    res: dict[str, object] = {"card": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
+                              "torch": torch.__version__, "new_tokens": n, "prompt_tokens": P,
+                              "attention": args.attention, "draft_compile": args.draft_compile}
     bw = copy_bandwidth()
-    target, draft = random_llama("8b"), random_llama("1b")
-    wt, wd = weight_bytes(target), weight_bytes(draft)
+    target_hf, draft_hf = random_llama("8b"), random_llama("1b")
+    wt, wd = weight_bytes(target_hf), weight_bytes(draft_hf)
     res.update(bandwidth_TBs=bw / 1e12, roofline_8b_tok_s=bw / wt, roofline_1b_tok_s=bw / wd)
     prompt = torch.randint(0, 128256, (1, P), device=DEV, generator=torch.Generator("cuda").manual_seed(1))
     if not args.skip_hf:
-        res["hf_eager_8b_tok_s"] = hf_generate(target, prompt, n)
-        res["hf_assisted_8b_1b_tok_s"] = hf_generate(target, prompt, n, assistant=draft)
-    ft = FastLlama(target, max_len=P + n + 2 * args.max_k + 8, compile_elementwise=not args.no_compile)
-    if args.draft_compile:
-        fd = FastLlama(draft, max_len=P + n + 2 * args.max_k + 8, compile_forward=args.draft_compile)
-    else:
-        fd = FastLlama(draft, max_len=P + n + 2 * args.max_k + 8, compile_elementwise=not args.no_compile)
-    res["draft_compile"] = args.draft_compile
-    for w in range(1, args.max_k + 2):
+        res["hf_eager_8b_tok_s"] = hf_generate(target_hf, prompt, args.hf_new_tokens)
+        res["hf_assisted_8b_1b_tok_s"] = hf_generate(target_hf, prompt, args.hf_new_tokens, assistant=draft_hf)
+    max_len = P + n + 2 * max_k + 24
+    draft_kw = (dict(compile_forward=args.draft_compile) if args.draft_compile else dict(compile_elementwise=True))
+    ft = FastLlama(target_hf, max_len=max_len, compile_elementwise=True, attention=args.attention)
+    for w in range(1, max_k + 2):
         ft.capture(w)
-    fd.capture(1), fd.capture(2)
-    t_dec, t_draft = step_time(ft, 1), step_time(fd, 1)
-    t_ver = {k: step_time(ft, k + 1) for k in range(1, args.max_k + 1)}
-    res.update(t_decode_8b_ms=t_dec * 1e3, t_decode_1b_ms=t_draft * 1e3, draft_over_target=t_draft / t_dec,
-               t_verify_8b_ms={k: v * 1e3 for k, v in t_ver.items()})
-    plain_tok_s, reference = plain_decode(ft, prompt, n + 2 * args.max_k)
-    plain_tok_s, reference = plain_decode(ft, prompt, n + 2 * args.max_k)  # second run: warm
-    res["ours_plain_8b_tok_s"] = plain_tok_s
-    res["ours_plain_fraction_of_roofline"] = plain_tok_s / (bw / wt)
-    res["ours_plain_1b_tok_s"] = plain_decode(fd, prompt, n)[0]
+    t_ver = {w: step_time(ft, w) for w in range(1, max_k + 2)}
+    plain_loop = GreedyLoop(ft)
+    reference: list[int] = []
+    plain_generate(plain_loop, prompt, 32)
+    plain_tok_s = (n + 2 * max_k + 16) / timed(lambda: reference.extend(plain_generate(plain_loop, prompt, n + 2 * max_k + 16)))
+    ref = torch.zeros(max_len, dtype=torch.long)
+    ref[P: P + len(reference)] = torch.tensor(reference)
+    decode_tok_s = decode_only(plain_loop, prompt, n)
+    res.update(t_decode_8b_ms=t_ver[1] * 1e3, t_verify_8b_ms={w: t * 1e3 for w, t in t_ver.items()},
+               ours_plain_8b_tok_s=plain_tok_s, ours_plain_fraction_of_roofline=plain_tok_s / (bw / wt),
+               ours_plain_decode_only_tok_s=decode_tok_s, ours_plain_decode_only_fraction_of_roofline=decode_tok_s / (bw / wt),
+               plain_over_hf_eager=plain_tok_s / res.get("hf_eager_8b_tok_s", float("nan")))
+    print(f"[{time.perf_counter() - t0:.0f}s] plain 8B {plain_tok_s:.1f} tok/s with the prefill "
+          f"({plain_tok_s / (bw / wt):.1%} of roofline), decode alone {decode_tok_s:.1f} tok/s "
+          f"({decode_tok_s / (bw / wt):.1%}), graph step {t_ver[1] * 1e3:.3f} ms", flush=True)
+
+    def draft_loop(device: str, alpha: float) -> GreedyLoop:
+        fd = FastLlama(draft_hf if device == "cuda:0" else draft_hf_1, max_len=max_len, attention=args.attention, **draft_kw)
+        return GreedyLoop(fd, ControlledAcceptance(ref.to(device), alpha, vocab=128256, seed=7))
+
+    draft_hf_1 = random_llama("1b", "cuda:1") if two_gpus else None
+    alphas = [float(a) for a in args.alphas.split(",")]
+    modes = [("sequential", "cuda:0", False)] + ([("overlapped", "cuda:1", True)] if two_gpus else [])
     rows = []
-    for alpha in [float(a) for a in args.alphas.split(",")]:
-        # pick k from the measured step costs, as the engine's policy does
-        pred = {k: expected_tokens(alpha, k) * t_dec / (k * t_draft + t_ver[k]) for k in t_ver}
-        k = max(pred, key=pred.get)
-        r = speculative(ft, fd, prompt, n, k, alpha, reference)
-        # what the measured step costs predict at the acceptance actually reached
-        r_pred = r["mean_acceptance_length"] * t_dec / (k * t_draft + t_ver[k])
-        r.pop("tokens")
-        rows.append({"alpha": alpha, "k": k, **r, "speedup_vs_plain": r["tok_s"] / plain_tok_s,
-                     "predicted_speedup": r_pred, "achieved_over_predicted": r["tok_s"] / plain_tok_s / r_pred})
-    res["speculative_sequential"] = rows
+    for mode, device, overlap in modes:
+        probe = draft_loop(device, 1.0)
+        t_draft = loop_step_time(probe)
+        res[f"t_draft_1b_ms_{mode}"] = t_draft * 1e3
+        res[f"draft_over_target_{mode}"] = t_draft / t_ver[1]
+        print(f"[{time.perf_counter() - t0:.0f}s] {mode}: draft loop step {t_draft * 1e3:.3f} ms "
+              f"({t_draft / t_ver[1]:.3f} of a target step); target pass ms by width "
+              f"{ {w: round(t * 1e3, 3) for w, t in t_ver.items()} }", flush=True)
+        for alpha in alphas:
+            k, L, pred = best_k(alpha, overlap, t_draft, t_ver, max_k)
+            probe.propose.reseed(alpha, seed=7)
+            r = run_spec(ft, probe, prompt, n, k, L)
+            identical = r.pop("tokens") == reference[:n]
+            pred_at_measured = predicted_tokens_per_second(r["per_token_acceptance"], k, L, t_draft, t_ver)
+            rows.append({"mode": mode, "alpha": alpha, **r, "identical_to_plain": identical,
+                         "speedup_vs_plain": r["tok_s"] / plain_tok_s,
+                         "predicted_speedup": pred * t_ver[1], "predicted_speedup_at_measured_alpha": pred_at_measured * t_ver[1],
+                         "achieved_over_predicted": r["tok_s"] / plain_tok_s / (pred_at_measured * t_ver[1])})
+            print(f"[{time.perf_counter() - t0:.0f}s] {json.dumps(rows[-1])}", flush=True)
+        del probe
+        torch.cuda.empty_cache()
+    res["speculative"] = rows
+    if two_gpus:
+        seq = {r["alpha"]: r["tok_s"] for r in rows if r["mode"] == "sequential"}
+        res["overlapped_over_sequential"] = {r["alpha"]: r["tok_s"] / seq[r["alpha"]] for r in rows if r["mode"] == "overlapped"}
+        res["exchange_ms_cuda1_to_cuda0"] = exchange_time(torch.device("cuda:1"), torch.device("cuda:0"), max_k) * 1e3
+    res["exchange_ms_same_gpu"] = exchange_time(torch.device("cuda:0"), torch.device("cuda:0"), max_k) * 1e3
     if not args.skip_embedded:
         res["embedded_pair"] = embedded_pair(n)
+    res["wall_s"] = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
-    print(f"\n{'config':44} {'tok/s':>8} {'vs ours plain':>13}")
-    line = lambda name, v: print(f"{name:44} {v:8.1f} {v / plain_tok_s:13.2f}")  # noqa: E731
+    print(f"\n{res['card']} x{res['gpus']}, {n} new tokens after a {P}-token prompt, batch 1, greedy")
+    print(f"{'config':58} {'tok/s':>8} {'vs ours plain':>13}")
+    line = lambda name, v: print(f"{name:58} {v:8.1f} {v / plain_tok_s:13.2f}")  # noqa: E731
     line("roofline 8B (weights / copy bandwidth)", bw / wt)
     if "hf_eager_8b_tok_s" in res:
         line("HF transformers eager, 8B", res["hf_eager_8b_tok_s"])
         line("HF assisted generation 8B+1B (natural α≈0)", res["hf_assisted_8b_1b_tok_s"])
-    line("ours plain 8B (static cache + CUDA graph)", plain_tok_s)
+    line("ours plain 8B (static cache + CUDA graph; incl. prefill)", plain_tok_s)
+    line("ours plain 8B, decode steps alone", decode_tok_s)
     for r in rows:
-        line(f"ours speculative seq. α={r['alpha']} k={r['k']} (α̂={r['alpha_measured']:.2f})", r["tok_s"])
+        line(f"ours {r['mode']} α={r['alpha']} k={r['k']} L={r['overlap_steps']} (α̂={r['per_token_acceptance']:.2f}, "
+             f"{r['achieved_over_predicted']:.2f} of pred.)", r["tok_s"])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from app.fast_llama import FastLlama
-from bench.gpu import copy_bandwidth, plain_decode, random_llama, step_time, weight_bytes
+from app.fast_decode import GreedyLoop, plain_generate
+from bench.gpu import copy_bandwidth, random_llama, step_time, timed, weight_bytes
 
 
 def measure(model, prompt: torch.Tensor, n: int, **fast_kw) -> dict[str, object]:
@@ -29,8 +30,10 @@ def measure(model, prompt: torch.Tensor, n: int, **fast_kw) -> dict[str, object]
     fast.capture(1)  # the compile happens in capture's warm-up runs
     compile_s = time.perf_counter() - t0
     t_step = step_time(fast, 1, reps=100)
-    plain_decode(fast, prompt, 16)
-    tok_s, tokens = plain_decode(fast, prompt, n)
+    loop = GreedyLoop(fast)
+    plain_generate(loop, prompt, 16)
+    tokens: list[int] = []
+    tok_s = n / timed(lambda: tokens.extend(plain_generate(loop, prompt, n)))
     del fast
     torch.cuda.empty_cache()
     return {"step_ms": t_step * 1e3, "plain_tok_s": tok_s, "setup_s": compile_s, "tokens": tokens}

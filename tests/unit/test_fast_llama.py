@@ -41,10 +41,11 @@ def _run(fast: FastLlama, ids: list[int], start: int) -> torch.Tensor:
     return fast.forward(tokens, positions)[0]  # [T, vocab]
 
 
-def test_prefill_decode_and_verify_match_hf(hf_model: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "grouped"])
+def test_prefill_decode_and_verify_match_hf(hf_model: LlamaForCausalLM, attention: str) -> None:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (40,), generator=g).tolist()
-    fast = FastLlama(hf_model, max_len=64)
+    fast = FastLlama(hf_model, max_len=64, attention=attention)
     ref = _hf_logits(hf_model, ids)
     torch.testing.assert_close(_run(fast, ids[:30], 0), ref[:30], atol=TOL, rtol=TOL)  # prefill
     for p in range(30, 34):  # one-token decode steps
@@ -52,12 +53,13 @@ def test_prefill_decode_and_verify_match_hf(hf_model: LlamaForCausalLM) -> None:
     torch.testing.assert_close(_run(fast, ids[34:40], 34), ref[34:40], atol=TOL, rtol=TOL)  # verify, 6 wide
 
 
-def test_rollback_rewrites_positions_as_a_fresh_prefill(hf_model: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "grouped"])
+def test_rollback_rewrites_positions_as_a_fresh_prefill(hf_model: LlamaForCausalLM, attention: str) -> None:
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 97, (20,), generator=g).tolist()
     rejected = torch.randint(0, 97, (5,), generator=g).tolist()
     corrected = torch.randint(0, 97, (5,), generator=g).tolist()
-    fast = FastLlama(hf_model, max_len=64)
+    fast = FastLlama(hf_model, max_len=64, attention=attention)
     _run(fast, prompt, 0)
     _run(fast, rejected, 20)  # a verify pass whose proposals are then rejected
     # the next pass starts again at position 20: stale entries at 20..24 must not leak into it
@@ -65,11 +67,12 @@ def test_rollback_rewrites_positions_as_a_fresh_prefill(hf_model: LlamaForCausal
     torch.testing.assert_close(got, _hf_logits(hf_model, prompt + corrected)[20:], atol=TOL, rtol=TOL)
 
 
-def test_batched_rows_at_different_positions(hf_model: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "grouped"])
+def test_batched_rows_at_different_positions(hf_model: LlamaForCausalLM, attention: str) -> None:
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, 97, (12,), generator=g).tolist()
     b = torch.randint(0, 97, (12,), generator=g).tolist()
-    fast = FastLlama(hf_model, max_batch=2, max_len=64)
+    fast = FastLlama(hf_model, max_batch=2, max_len=64, attention=attention)
     fast.forward(torch.tensor([a[:10], b[:10]]), torch.arange(10).view(1, -1).expand(2, -1))
     # row 0 decodes at position 10, row 1 re-does position 9 (a rollback by one) with b[9]
     tokens = torch.tensor([[a[10]], [b[9]]])
@@ -79,6 +82,8 @@ def test_batched_rows_at_different_positions(hf_model: LlamaForCausalLM) -> None
     torch.testing.assert_close(out[1, 0], _hf_logits(hf_model, b[:10])[9], atol=TOL, rtol=TOL)
 
 
-def test_compile_options_are_exclusive(hf_model: LlamaForCausalLM) -> None:
+def test_bad_options_are_refused(hf_model: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="one of the two"):
         FastLlama(hf_model, compile_elementwise=True, compile_forward="max-autotune-no-cudagraphs")
+    with pytest.raises(ValueError, match="pick 'sdpa' or 'grouped'"):
+        FastLlama(hf_model, attention="flash")  # type: ignore[arg-type]

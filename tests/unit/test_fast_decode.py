@@ -1,0 +1,109 @@
+"""The fast path's decoding loops (app/fast_decode.py), run eagerly on the CPU with the embedded pair.
+
+Plain decoding through the on-device loop must equal HF greedy decoding; speculative decoding,
+sequential and overlapped, must emit exactly the plain output whatever the draft proposes (its own
+argmax, or controlled acceptance at any alpha); and the statistics must say what happened
+(alpha = 1: nothing rejected; alpha = 0: nothing accepted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
+from app.fast_llama import FastLlama
+
+N_NEW = 40
+MAX_LEN = 160
+
+
+@pytest.fixture(scope="module")
+def hf_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    return load("models/target"), load("models/draft")
+
+
+@pytest.fixture(scope="module")
+def prompt(encode) -> torch.Tensor:
+    return torch.tensor([encode("import os\n\ndef list_python_files(path):\n")])
+
+
+@pytest.fixture(scope="module")
+def plain(hf_pair, prompt) -> list[int]:
+    return plain_generate(GreedyLoop(FastLlama(hf_pair[0], max_len=MAX_LEN)), prompt, N_NEW)
+
+
+def test_plain_loop_equals_hf_greedy(hf_pair, prompt, plain) -> None:
+    with torch.no_grad():
+        hf = hf_pair[0].generate(prompt, max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
+    assert plain == hf[0, prompt.shape[1]:].tolist()
+
+
+def _speculate(hf_pair, prompt, k: int, overlap_steps: int, propose=None):
+    target = FastLlama(hf_pair[0], max_len=MAX_LEN)
+    draft = GreedyLoop(FastLlama(hf_pair[1], max_len=MAX_LEN), propose=propose)
+    return speculative_generate(target, draft, prompt, N_NEW, k, overlap_steps=overlap_steps)
+
+
+@pytest.mark.parametrize("k,overlap_steps", [(1, 0), (3, 0), (6, 0), (1, 2), (3, 2), (4, 5)])
+def test_draft_model_proposals_give_the_plain_output(hf_pair, prompt, plain, k, overlap_steps) -> None:
+    out, stats = _speculate(hf_pair, prompt, k, overlap_steps)
+    assert out == plain
+    assert stats.accepted > 0  # the trained pair agrees on code
+    assert stats.drafted == sum(p * n for p, n in stats.widths.items())
+    assert max(stats.widths) <= k
+    if overlap_steps == 0:
+        assert 0 not in stats.widths  # sequential never verifies an empty block
+
+
+def _reference(prompt: torch.Tensor, plain: list[int]) -> torch.Tensor:
+    ref = torch.zeros(MAX_LEN, dtype=torch.long)
+    ref[prompt.shape[1]: prompt.shape[1] + len(plain)] = torch.tensor(plain)
+    return ref
+
+
+@pytest.mark.parametrize("overlap_steps", [0, 3])
+def test_alpha_one_accepts_everything(hf_pair, prompt, plain, overlap_steps) -> None:
+    # the reference must reach past the output: the draft runs up to k + overlap ahead
+    full = plain_generate(GreedyLoop(FastLlama(hf_pair[0], max_len=MAX_LEN)), prompt, N_NEW + 12)
+    ref = _reference(prompt, full)
+    propose = ControlledAcceptance(ref, alpha=1.0, vocab=4096)
+    out, stats = _speculate(hf_pair, prompt, 3, overlap_steps, propose)
+    assert out == plain
+    assert stats.acceptance_rate == 1.0 and stats.per_token_acceptance == 1.0
+    assert stats.restarts == 0 and stats.drafted > 0
+    if overlap_steps == 0:
+        assert stats.mean_acceptance_length == 4.0  # k + 1 per pass
+
+
+@pytest.mark.parametrize("overlap_steps", [0, 3])
+def test_alpha_zero_accepts_nothing(hf_pair, prompt, plain, overlap_steps) -> None:
+    propose = ControlledAcceptance(_reference(prompt, plain), alpha=0.0, vocab=4096)
+    out, stats = _speculate(hf_pair, prompt, 3, overlap_steps, propose)
+    assert out == plain
+    assert stats.accepted == 0 and stats.guesses_right == 0
+    assert stats.drafted + stats.guesses > 0
+    assert stats.acceptance_rate == 0.0 and stats.per_token_acceptance == 0.0
+
+
+@pytest.mark.parametrize("overlap_steps", [0, 2, 4])
+def test_controlled_acceptance_is_near_alpha_and_output_is_plain(hf_pair, prompt, plain, overlap_steps) -> None:
+    full = plain_generate(GreedyLoop(FastLlama(hf_pair[0], max_len=MAX_LEN)), prompt, N_NEW + 12)
+    propose = ControlledAcceptance(_reference(prompt, full), alpha=0.6, vocab=4096, seed=3)
+    out, stats = _speculate(hf_pair, prompt, 4, overlap_steps, propose)
+    assert out == plain
+    assert 0 < stats.accepted < stats.drafted
+    # drafts past a miss are drafted but never compared
+    assert stats.accepted < stats.checked <= stats.drafted
+    assert 0 < stats.per_token_acceptance < 1
+
+
+def test_bad_arguments_are_refused(hf_pair, prompt) -> None:
+    with pytest.raises(ValueError, match="k >= 1"):
+        _speculate(hf_pair, prompt, 0, 0)
+    target = FastLlama(hf_pair[0], max_len=48)
+    draft = GreedyLoop(FastLlama(hf_pair[1], max_len=48))
+    with pytest.raises(ValueError, match="needs caches of"):
+        speculative_generate(target, draft, prompt, N_NEW, 3)
