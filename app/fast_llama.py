@@ -36,7 +36,10 @@ class FastLlama:
         # per input shape, minutes for an 8B; CUDA graphs are still captured by capture().
         self._forward_fn = (torch.compile(self._forward, mode=compile_forward, fullgraph=True, dynamic=False)
                             if compile_forward else self._forward)
-        self._norm, self._rope, self._silu_mul = fuse(_rms_norm), fuse(_rope), fuse(_silu_mul)
+        self._norm, self._silu_mul = fuse(_rms_norm), fuse(_silu_mul)
+        # per layer: rope on q and k plus both cache writes in one fused op, and each residual add
+        # fused with the norm that follows it (these small kernels were ~20% of an 8B step)
+        self._qkv_to_cache, self._add_norm = fuse(_qkv_to_cache), fuse(_add_norm)
         # "grouped": two batched GEMMs and one (fusable) masked softmax per layer, reading each KV
         # head once for its G query heads; SDPA with an explicit mask cannot use its flash kernel.
         self._attend = fuse(_grouped_attention) if attention == "grouped" else _sdpa_attention
@@ -63,7 +66,9 @@ class FastLlama:
                 "w_down": mlp.down_proj.weight,
             })
         self.ffn = self.layers[0]["w_down"].shape[1]
-        shape = (len(self.layers), max_batch, self.n_kv, max_len, self.head_dim)
+        # position-major, so a step's K/V rows are written in place (a head-major cache written
+        # through a permuted view made Inductor copy the whole cache slice around the write)
+        shape = (len(self.layers), max_batch, max_len, self.n_kv, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         inv_freq, scale = _rope_inv_freq(hf_model, self.device)
@@ -95,22 +100,18 @@ class FastLlama:
         # key j is visible to query at position p iff j <= p: stale entries past p are masked
         mask = self.key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)  # [B, 1, T, max_len]
         batch_idx = torch.arange(B, device=tokens.device).view(B, 1).expand(B, T)
+        h = self._norm(x, self.layers[0]["in_norm"], self.eps)
         for i, L in enumerate(self.layers):
-            h = self._norm(x, L["in_norm"], self.eps)
             qkv = h @ L["wqkv"].T  # [B, T, (H+2KV)*D]
-            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-            q = self._rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)  # [B, H, T, D]
-            k = self._rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)  # [B, KV, T, D]
-            v = v.view(B, T, KV, D).transpose(1, 2)
-            # write this step's K/V into the static cache at each row's positions
-            kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]  # [B, KV, max_len, D]
-            kc.permute(0, 2, 1, 3)[batch_idx, positions] = k.transpose(1, 2)
-            vc.permute(0, 2, 1, 3)[batch_idx, positions] = v.transpose(1, 2)
-            attn = self._attend(q, kc, vc, mask)  # [B, H, T, D]
-            x = x + attn.transpose(1, 2).reshape(B, T, H * D) @ L["wo"].T
-            h = self._norm(x, L["post_norm"], self.eps)
-            x = x + self._silu_mul(h @ L["w_gate_up"].T, self.ffn) @ L["w_down"].T
-        return self._norm(x, self.final_norm, self.eps) @ self.lm_head.T  # [B, T, vocab]
+            kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]  # [B, max_len, KV, D]
+            # rope, and this step's K/V written into the static cache at each row's positions
+            q = self._qkv_to_cache(qkv, cos, sin, kc, vc, batch_idx, positions, H, KV, D)  # [B, H, T, D]
+            attn = self._attend(q, kc.transpose(1, 2), vc.transpose(1, 2), mask)  # [B, H, T, D]
+            x, h = self._add_norm(x, attn.transpose(1, 2).reshape(B, T, H * D) @ L["wo"].T, L["post_norm"], self.eps)
+            mlp = self._silu_mul(h @ L["w_gate_up"].T, self.ffn) @ L["w_down"].T
+            next_norm = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.final_norm
+            x, h = self._add_norm(x, mlp, next_norm, self.eps)
+        return h @ self.lm_head.T  # [B, T, vocab]
 
     # ---- CUDA graphs ---------------------------------------------------------------------
     def capture(self, width: int, batch: int = 1) -> None:
@@ -164,6 +165,26 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     scores = scores.view(B, KV, G, T, L).masked_fill(~mask.view(B, 1, 1, T, L), float("-inf"))
     probs = scores.softmax(-1).to(q.dtype).view(B, KV, G * T, L)
     return (probs @ v).view(B, H, T, D)
+
+
+def _qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, batch_idx: torch.Tensor, positions: torch.Tensor,
+                  H: int, KV: int, D: int) -> torch.Tensor:
+    """qkv `[B, T, (H+2KV)*D]` -> q `[B, H, T, D]` (roped); writes roped k and v into the caches
+    `[B, max_len, KV, D]` at `positions` `[B, T]` (batch_idx `[B, T]` names each row)."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+    q = _rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)  # [B, H, T, D]
+    k = _rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)  # [B, KV, T, D]
+    k_cache[batch_idx, positions] = k.transpose(1, 2)
+    v_cache[batch_idx, positions] = v.view(B, T, KV, D)
+    return q
+
+
+def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the RMSNorm after it: (x + y, norm(x + y))."""
+    x = x + y
+    return x, _rms_norm(x, weight, eps)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -87,3 +87,16 @@ def test_bad_options_are_refused(hf_model: LlamaForCausalLM) -> None:
         FastLlama(hf_model, compile_elementwise=True, compile_forward="max-autotune-no-cudagraphs")
     with pytest.raises(ValueError, match="pick 'sdpa' or 'grouped'"):
         FastLlama(hf_model, attention="flash")  # type: ignore[arg-type]
+
+
+def test_compiled_elementwise_path_matches_hf(hf_model: LlamaForCausalLM) -> None:
+    """The GPU configuration's fused ops (rope + in-place cache writes, add + norm, masked softmax)
+    compiled by Inductor: the cache mutations must land, so later steps still see earlier K/V."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 97, (40,), generator=g).tolist()
+    fast = FastLlama(hf_model, max_len=64, compile_elementwise=True, attention="grouped")
+    ref = _hf_logits(hf_model, ids)
+    torch.testing.assert_close(_run(fast, ids[:30], 0), ref[:30], atol=TOL, rtol=TOL)
+    for p in range(30, 34):
+        torch.testing.assert_close(_run(fast, [ids[p]], p), ref[p:p + 1], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(_run(fast, ids[34:40], 34), ref[34:40], atol=TOL, rtol=TOL)
