@@ -18,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import ray
@@ -57,10 +58,16 @@ def main() -> None:
         def propose(self, step: torch.Tensor) -> torch.Tensor:
             return torch.full((BATCH, K), int(step), dtype=torch.long)  # [batch, k] proposals
 
+        def propose_np(self, step: int) -> np.ndarray:
+            return np.full((BATCH, K), step, dtype=np.int64)  # [batch, k] proposals
+
     @ray.remote(num_gpus=per_actor, num_cpus=0)
     class Target:
         def verify(self, proposals: torch.Tensor) -> torch.Tensor:
             return (proposals[:, 0] % (K + 1)).clone()  # [batch] accepted counts
+
+        def verify_np(self, proposals: np.ndarray) -> np.ndarray:
+            return proposals[:, 0] % (K + 1)  # [batch] accepted counts
 
     draft, target = Draft.remote(), Target.remote()
     step = torch.tensor(3)
@@ -78,6 +85,17 @@ def main() -> None:
     cg_two = two.experimental_compile()
     res["compiled_graph_two_hops"] = timed_calls(lambda: ray.get(cg_two.execute(step)), args.calls)
     cg_two.teardown()
+    # the same through numpy arrays (Ray serialises torch tensors through its torch path)
+    with InputNode() as inp:
+        one_np = draft.propose_np.bind(inp)
+    cg = one_np.experimental_compile()
+    res["compiled_graph_one_hop_numpy"] = timed_calls(lambda: ray.get(cg.execute(3)), args.calls)
+    cg.teardown()
+    with InputNode() as inp:
+        two_np = target.verify_np.bind(draft.propose_np.bind(inp))
+    cg = two_np.experimental_compile()
+    res["compiled_graph_two_hops_numpy"] = timed_calls(lambda: ray.get(cg.execute(3)), args.calls)
+    cg.teardown()
     src, dst = torch.device("cuda:0"), torch.device(f"cuda:{min(1, gpus - 1)}")
     ids = torch.zeros((BATCH, K), dtype=torch.long, device=src)
 
