@@ -13,8 +13,9 @@ Batch 1, greedy, the whole algorithm in plain functions:
   target's bonus token; if the target accepts everything and its bonus token equals that guess,
   the next block is already drafted, otherwise the draft restarts from the corrected token. The
   target never waits for the draft: right after a restart it verifies zero proposals (a plain
-  step that still emits one token) while the draft refills. What overlap cannot hide is therefore
-  the draft's work on a rejected block, which costs nothing but the draft's own GPU time.
+  step that still emits one token) while the draft refills. So overlap hides the draft's steps
+  whenever the chain survives a pass; what it cannot hide is a restart, which costs one pass at
+  plain-decoding speed (the drafted continuation of a rejected block is simply discarded).
 
 The host reads back one small result per target pass (the target's argmax over the pass) and the
 draft's new tokens (an asynchronous copy into pinned memory); nothing else synchronises. On the
@@ -23,6 +24,7 @@ CPU everything runs eagerly and in order (used by the unit tests).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -317,8 +319,6 @@ def predicted_tokens_per_second(alpha: float, k: int, overlap_steps: int, t_draf
     tokens on average. Overlapped: a pass costs max(t_verify[p+1], steps * t_draft), where p is how
     many proposals were ready; a rejection (or a wrong bonus guess) empties the chain.
     """
-    import random
-
     rng = random.Random(seed)
     ready = tokens = 0
     seconds = 0.0
