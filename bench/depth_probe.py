@@ -1,0 +1,63 @@
+"""How deep does auto draft at one load level, against "on"? (CPU, the embedded pair)
+
+    .venv/bin/python -m bench.depth_probe [--streams 32] [--seconds 30] [--order auto,on,auto,on]
+
+Starts the app in a child process with its own Ray (as `bench.load --start` does, max_num_seqs =
+streams), then runs closed-loop non-streaming clients for `--seconds` per policy in the given order
+and reads every answer's `usage.speculation`: tokens per drafting step (drafted_tokens /
+num_drafts), drafting steps per request, acceptance (accepted / drafted) and goodput. The first
+window of a fresh app shows the policy before its cost curves have measured wide passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import httpx
+
+from bench.app_process import AppProcess, local_args
+from bench.load import PROMPTS
+
+
+async def _client(http: httpx.AsyncClient, url: str, policy: str, i: int, stop: float, out: list[dict]) -> None:
+    n = 0
+    while time.monotonic() < stop:
+        body = {"model": "specserve-embedded", "prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": 64,
+                "temperature": 0, "ignore_eos": True, "speculation": policy}
+        r = await http.post(f"{url}/v1/completions", json=body, timeout=120)
+        r.raise_for_status()
+        out.append(r.json()["usage"])
+        n += 1
+
+
+async def window(url: str, policy: str, streams: int, seconds: float) -> dict[str, float]:
+    out: list[dict] = []
+    stop = time.monotonic() + seconds
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=2 * streams)) as http:
+        await asyncio.gather(*(_client(http, url, policy, i, stop, out) for i in range(streams)))
+    spec = [u["speculation"] for u in out]
+    drafted = sum(s["drafted_tokens"] for s in spec)
+    drafts = sum(s["num_drafts"] for s in spec)
+    return {"requests": len(out), "tok_s": sum(u["completion_tokens"] for u in out) / seconds,
+            "depth_per_drafting_step": drafted / max(1, drafts), "drafting_steps_per_request": drafts / max(1, len(out)),
+            "acceptance": sum(s["accepted_tokens"] for s in spec) / max(1, drafted)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--order", default="auto,on,auto,on")
+    args = ap.parse_args()
+    overrides = {"engine": {"limits": {"max_num_seqs": args.streams, "max_queue": 2 * args.streams}},
+                 "target_deployment": {"max_ongoing_requests": 2 * args.streams + 8}}
+    with AppProcess(local_args(overrides)) as app:
+        for policy in args.order.split(","):
+            r = asyncio.run(window(app.url, policy, args.streams, args.seconds))
+            print(f"{policy:5} " + "  ".join(f"{k} {v:.3g}" for k, v in r.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
