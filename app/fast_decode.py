@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from app.fast_llama import FastLlama
+from app.fast_llama import FastLlama, capture_graph
 
 
 class Proposer(Protocol):
@@ -127,23 +127,9 @@ class GreedyLoop:
     def _capture(self) -> None:
         # Warm-up and capture run real steps: point them at the cache's last slots, which no
         # sequence reaches before it is reset (capture happens before any prefill anyway).
-        with torch.cuda.device(self.device):
-            for width in (1, 2):
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._park(width)
-                        self._step(width)
-                torch.cuda.current_stream().wait_stream(stream)
-                self._park(width)
-                graph = torch.cuda.CUDAGraph()
-                # torch.cuda.graph's default capture stream is shared by the class and lives on
-                # whichever device captured first: give it one on this model's device
-                with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-                    self._step(width)
-                self._graphs[width] = graph
-            torch.cuda.synchronize(self.device)
+        for width in (1, 2):
+            self._graphs[width], _ = capture_graph(self.device, lambda: self._step(width), lambda: self._park(width))
+        torch.cuda.synchronize(self.device)
 
     def _park(self, width: int) -> None:
         start = self.max_len - width - 1

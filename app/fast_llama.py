@@ -3,7 +3,7 @@
 It loads the *same weights* as `LlamaForCausalLM` (taken from a loaded HF model) and
 computes the same function with fewer, larger kernels:
   - q/k/v projections fused into one matmul, gate/up into another (4 GEMMs per layer);
-  - a static cache `[layers, batch, kv_heads, max_len, head_dim]` written in place at the
+  - a static cache `[layers, batch, max_len, kv_heads, head_dim]` written in place at the
     sequence positions, so rollback after a rejection is free: entries past a sequence's
     length are masked by position and overwritten later;
   - one CUDA graph per input width T (T=1 decode, T=k+1 verify), replayed with no host
@@ -13,10 +13,13 @@ On the CPU it runs eagerly (used by the unit test that checks it against HF's lo
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
+
+Out = TypeVar("Out")
 
 
 class FastLlama:
@@ -122,18 +125,7 @@ class FastLlama:
         # overwritten), so capturing after a prefill does not corrupt it.
         positions = (torch.arange(self.max_len - width, self.max_len, device=self.device)
                      .view(1, -1).expand(batch, -1).contiguous())
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up kernels / allocator outside the graph
-                    self.forward(tokens, positions)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # torch.cuda.graph's default capture stream is shared by the class and lives on
-            # whichever device captured first: give it one on this model's device
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-                logits = self.forward(tokens, positions)
+        graph, logits = capture_graph(self.device, lambda: self.forward(tokens, positions))
         self.graphs[(batch, width)] = (graph, tokens, positions, logits)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -147,6 +139,28 @@ class FastLlama:
         with torch.cuda.device(self.device):  # replay() uses the current device's stream
             graph.replay()
         return logits
+
+
+def capture_graph(device: torch.device, step: Callable[[], Out], before: Callable[[], None] = lambda: None,
+                  ) -> tuple[torch.cuda.CUDAGraph, Out]:
+    """Run `step` twice on a side stream (kernel selection, allocator warm-up), then capture it as a
+    CUDA graph on `device`; `before` runs ahead of each of the three (e.g. to point the step's
+    inputs at scratch cache slots). Returns the graph and what the captured `step` returned."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                before()
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        before()
+        graph = torch.cuda.CUDAGraph()
+        # torch.cuda.graph's default capture stream is shared by the class and lives on
+        # whichever device captured first: give it one on this device
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+            out = step()
+    return graph, out
 
 
 def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
