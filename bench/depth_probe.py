@@ -18,7 +18,7 @@ import time
 import httpx
 
 from bench.app_process import AppProcess, local_args
-from bench.load import PROMPTS
+from bench.load import PROMPTS, app_overrides
 
 
 async def _client(http: httpx.AsyncClient, url: str, policy: str, i: int, stop: float, out: list[dict]) -> None:
@@ -51,9 +51,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--order", default="auto,on,auto,on")
     args = ap.parse_args()
-    overrides = {"engine": {"limits": {"max_num_seqs": args.streams, "max_queue": 2 * args.streams}},
-                 "target_deployment": {"max_ongoing_requests": 2 * args.streams + 8}}
-    with AppProcess(local_args(overrides)) as app:
+    with AppProcess(local_args(app_overrides(args.streams))) as app:
         for policy in args.order.split(","):
             r = asyncio.run(window(app.url, policy, args.streams, args.seconds))
             print(f"{policy:5} " + "  ".join(f"{k} {v:.3g}" for k, v in r.items()), flush=True)

@@ -274,16 +274,17 @@ def main() -> None:
           f"({plain_tok_s / (bw / wt):.1%} of roofline), decode alone {decode_tok_s:.1f} tok/s "
           f"({decode_tok_s / (bw / wt):.1%}), graph step {t_ver[1] * 1e3:.3f} ms", flush=True)
 
-    def draft_loop(device: str, alpha: float) -> GreedyLoop:
-        fd = FastLlama(draft_hf if device == "cuda:0" else draft_hf_1, max_len=max_len, attention=args.attention, **draft_kw)
-        return GreedyLoop(fd, ControlledAcceptance(ref.to(device), alpha, vocab=128256, seed=7))
-
     draft_hf_1 = random_llama("1b", "cuda:1") if two_gpus else None
+
+    def draft_loop(device: str) -> GreedyLoop:
+        """The draft's loop on `device`, proposing at alpha 1 until reseeded for each alpha."""
+        fd = FastLlama(draft_hf if device == "cuda:0" else draft_hf_1, max_len=max_len, attention=args.attention, **draft_kw)
+        return GreedyLoop(fd, ControlledAcceptance(ref.to(device), 1.0, vocab=128256, seed=7))
     alphas = [float(a) for a in args.alphas.split(",")]
     modes = [("sequential", "cuda:0", False)] + ([("overlapped", "cuda:1", True)] if two_gpus else [])
     rows = []
     for mode, device, overlap in modes:
-        probe = draft_loop(device, 1.0)
+        probe = draft_loop(device)
         t_draft = loop_step_time(probe)
         res[f"t_draft_1b_ms_{mode}"] = t_draft * 1e3
         res[f"draft_over_target_{mode}"] = t_draft / t_ver[1]

@@ -302,6 +302,12 @@ def rescore(path: str) -> None:
     print(json.dumps(report["verdict"], indent=1))
 
 
+def app_overrides(streams: int) -> dict:
+    """configs/local.yaml overrides for `streams` concurrent clients: all of them in one batch."""
+    return {"engine": {"limits": {"max_num_seqs": streams, "max_queue": streams * 2}},
+            "target_deployment": {"max_ongoing_requests": streams * 2 + 8}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -323,9 +329,7 @@ def main() -> None:
     if args.start:
         from bench.app_process import AppProcess, local_args
 
-        overrides = {"engine": {"limits": {"max_num_seqs": max(levels), "max_queue": max(levels) * 2}},
-                     "target_deployment": {"max_ongoing_requests": max(levels) * 2 + 8}}
-        app_ctx = AppProcess(local_args(overrides))
+        app_ctx = AppProcess(local_args(app_overrides(max(levels))))
         app_ctx.__enter__()
         url = app_ctx.url
     try:
