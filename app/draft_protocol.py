@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from app.config import SamplingParams
-from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
+from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer, ProposerUnavailable
 
 
 def tokens_hash(tokens: list[int]) -> int:
@@ -46,6 +46,7 @@ class DraftStepResponse:
     proposals: dict[str, Proposal]
     misses: list[str]
     draft_time_s: float
+    first_pass: FirstPass = FirstPass()  # the step's first forward (a catch-up when it fed > 1 token per sequence)
 
 
 class DraftWorker:
@@ -80,6 +81,7 @@ class DraftWorker:
             proposals={r.seq_id: p for r, p in zip(resolved, proposals)},
             misses=misses,
             draft_time_s=time.perf_counter() - t0,
+            first_pass=self.proposer.last_first_pass,
         )
 
     def num_sequences(self) -> int:
@@ -102,6 +104,7 @@ class DraftClient(Proposer):
         self.client_id = client_id
         self.transport = transport
         self.sent: dict[str, list[int]] = {}  # what we believe the draft holds per sequence
+        self.proposed: dict[str, list[int]] = {}  # its last proposals: it fed itself all but the last
         self.pending_release: list[str] = []
         self._release_lock = threading.Lock()  # release() and an idle flush() run on different threads
         self.resends = 0
@@ -127,17 +130,35 @@ class DraftClient(Proposer):
         response = self._call([self._delta(r, full=False) for r in requests])
         proposals = dict(response.proposals)
         draft_s = response.draft_time_s
+        first = response.first_pass
         if response.misses:
             # the draft lost (or never had) these sequences: resend them in full, once
             self.resends += len(response.misses)
             retry = self._call([self._delta(by_id[m], full=True) for m in response.misses])
             proposals.update(retry.proposals)
             draft_s += retry.draft_time_s
+            first = FirstPass(first.tokens + retry.first_pass.tokens, first.sequences + retry.first_pass.sequences,
+                              first.seconds + retry.first_pass.seconds)
         self.last_draft_s = draft_s
+        self.last_first_pass = first
         self.last_exchange_s = max(0.0, time.perf_counter() - t0 - draft_s)
         for r in requests:
             self.sent[r.seq_id] = list(r.token_ids)
+            self.proposed[r.seq_id] = proposals[r.seq_id].tokens if r.seq_id in proposals else []
         return [proposals.get(r.seq_id, Proposal([])) for r in requests]
+
+    def catch_up_tokens(self, seq_id: str, token_ids: list[int]) -> int:
+        sent = self.sent.get(seq_id)
+        if sent is None:
+            return max(0, len(token_ids) - 2)  # new to the draft (or it restarted): its whole context
+        # the draft holds sent + its own proposals but the last; it feeds what follows the common prefix
+        held = self.proposed.get(seq_id, [])[:-1]
+        n = len(sent)
+        for a, b in zip(held, token_ids[n:]):
+            if a != b:
+                break
+            n += 1
+        return max(0, len(token_ids) - n - 2)
 
     def _call(self, seqs: list[DraftSeqDelta]) -> DraftStepResponse:
         with self._release_lock:
@@ -147,12 +168,14 @@ class DraftClient(Proposer):
             return self.transport(request)
         except DraftUnavailable:
             self.sent.clear()  # whatever answers next may hold nothing
+            self.proposed.clear()
             # a live but slow draft still holds these: tell it next time (unknown ids are ignored)
             with self._release_lock:
                 self.pending_release = request.release + self.pending_release
             raise
 
     def release(self, seq_id: str) -> None:
+        self.proposed.pop(seq_id, None)
         if self.sent.pop(seq_id, None) is not None:
             with self._release_lock:
                 self.pending_release.append(seq_id)

@@ -150,10 +150,14 @@ class TargetServer:
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
     def _plan_k(self, batch, caps: list[int]) -> list[int]:
         replica_alpha = self.policy.acceptance.alpha("default")
+        proposer, costs = self.engine.proposer, self.policy.costs
         candidates = [
             # this sequence's own acceptance, shrunk towards its prompt class's (router) or the replica's
             StepCandidate(cap, seq.stats.token_alpha(prior=seq.alpha_prior if seq.alpha_prior is not None
-                                                     else replica_alpha), seq.adaptive)
+                                                     else replica_alpha), seq.adaptive,
+                          catch_up_s=costs.t_draft_prefill(proposer.catch_up_tokens(seq.seq_id, seq.token_ids))
+                          if proposer is not None and cap else 0.0,
+                          remaining=seq.remaining)
             for seq, cap in zip(batch, caps)
         ]
         explore_k = self.explorer.explore_k() if self.explorer is not None else None
@@ -188,7 +192,7 @@ class TargetServer:
         self.metrics.set_load(len(engine.running), len(engine.waiting), engine.cached_tokens(), len(engine.running))
 
     def _observe_draft(self, engine: SpecEngine, total_s: float, batch: int, depth: int) -> None:
-        """Split a step's proposal time into per-draft-step compute and the exchange hop."""
+        """Split a step's proposal time into per-draft-step compute, catch-up prefill and the hop."""
         if batch <= 0 or depth <= 0:
             return  # the draft was down (plain step): nothing was drafted
         proposer = engine.proposer
@@ -196,10 +200,11 @@ class TargetServer:
             compute, hop = proposer.last_draft_s, proposer.last_exchange_s
         else:  # in-process proposer (n-gram): no hop
             compute, hop = total_s, 0.0
-        per_step = compute / depth  # the draft runs `depth` batched steps (the deepest sequence's k)
-        self.policy.costs.observe_draft(batch, per_step)
+        # the draft runs `depth` batched steps (the deepest sequence's k), the first one maybe a catch-up
+        per_step = self.policy.costs.observe_draft_call(batch, depth, compute, proposer.last_first_pass)
         self.policy.costs.observe_exchange(hop)
-        self.window.add("draft", per_step, batch)
+        if per_step is not None:
+            self.window.add("draft", per_step, batch)
         self.window.add("exchange", max(hop, 1e-9))
 
     # ---- the request path ----

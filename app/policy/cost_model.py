@@ -20,8 +20,12 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # app.proposers imports app.config, which imports this package
+    from app.proposers.base import FirstPass
 
 # Token counts where the curves keep a point: powers of two plus midpoints, so the knee region is
 # resolved to within ~1.5x in tokens while the table stays ~30 entries.
@@ -254,6 +258,26 @@ class StepCosts:
     def observe_overhead(self, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds):
             self._overhead.observe(seconds)
+
+    def observe_draft_call(self, batch: int, depth: int, compute_s: float, first: FirstPass) -> float | None:
+        """One draft call: `depth` batched steps for `batch` sequences in `compute_s`. When its
+        first pass caught sequences up (fed them the tokens of steps they did not draft, e.g. on
+        the first drafting step after plain ones), that pass was a prefill: it feeds the prefill
+        rate, and the per-step cost comes from the remaining steps only (none when depth is 1).
+        Counting it as drafting made the first drafting steps after a plain stretch look ~10x
+        dearer than they are, which kept a fresh replica from drafting. Returns the per-step time
+        observed, or None."""
+        if batch <= 0 or depth <= 0:
+            return None
+        if first.caught_up:
+            self.observe_draft_prefill(first.tokens, first.seconds)
+            if depth == 1:
+                return None
+            per_step = max(compute_s - first.seconds, 0.0) / (depth - 1)
+        else:
+            per_step = compute_s / depth
+        self.observe_draft(batch, per_step)
+        return per_step
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0 and math.isfinite(seconds):

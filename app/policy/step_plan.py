@@ -13,11 +13,17 @@ maximises the batch's goodput:
                  + [S ≠ ∅] · (max_s k_s · t_draft(|S|) + t_exchange)        the draft call, if any
                  + t_overhead + b · t_chunk                                host work of any step
 
-(t_chunk: streaming one sequence's chunk, where the router shares the model's cores) over
+                 + Σ_{s∈S} c_s · E(α_s, k_s) / R_s                                catch-ups, amortised
+
+(t_chunk: streaming one sequence's chunk, where the router shares the model's cores; c_s: the
+draft prefill a sequence needs before it can draft again — its whole context when the draft never
+saw it, every token of the plain steps since it last drafted — paid once and then good for its
+remaining R_s tokens, so a step is charged the share of it that its E tokens use up) over
 S ⊆ adaptive sequences (plus the forced ones, which always speculate at their own k) and a
 common depth k (capped per sequence). For a fixed |S| = m, the best S is the m sequences with
 the highest α (E grows with α and the cost does not depend on which), so the search is over
-(m, k): O(b · max_k) cost-curve lookups.
+(m, k): O(b · max_k) cost-curve lookups. (With catch-ups the best m are not always the m highest
+α; ties go to the one with less to catch up, and the rest is left to the next step's plan.)
 
 Exploration lives here too, at step granularity: when no adaptive sequence has drafted for
 `every_steps` steps, one step speculates at a shallow depth so the acceptance estimate stays
@@ -40,6 +46,12 @@ class StepCandidate:
     cap: int  # most drafts it may take this step (request's k, remaining output, context); 0: none
     alpha: float  # per-token acceptance estimate for this sequence
     adaptive: bool  # True: 'auto', the plan picks 0..cap; False: forced on, speculates at cap
+    catch_up_s: float = 0.0  # draft prefill (seconds) this sequence needs before it drafts again
+    remaining: int = 1  # output tokens it may still produce (the catch-up is amortised over them)
+
+    def catch_up_share(self, tokens: float) -> float:
+        """Seconds of catch-up charged to a step that emits `tokens` for this sequence."""
+        return self.catch_up_s * min(1.0, tokens / max(self.remaining, 1))
 
 
 @dataclass(frozen=True)
@@ -76,31 +88,36 @@ def plan_step(
     ks = [0] * b
     forced = [i for i, c in enumerate(candidates) if c.cap > 0 and not c.adaptive]
     adaptive = sorted((i for i, c in enumerate(candidates) if c.cap > 0 and c.adaptive),
-                      key=lambda i: -candidates[i].alpha)
+                      key=lambda i: (-candidates[i].alpha, candidates[i].catch_up_s))
     for i in forced:
         ks[i] = candidates[i].cap
-    f_tokens = sum(expected_tokens_per_step(candidates[i].alpha, ks[i]) for i in forced)
+    f_es = [expected_tokens_per_step(candidates[i].alpha, ks[i]) for i in forced]
+    f_tokens = sum(f_es)
+    f_catch = sum(candidates[i].catch_up_share(e) for i, e in zip(forced, f_es))
     f_pass = sum(ks[i] + 1 for i in forced)
     f_depth = max((ks[i] for i in forced), default=0)
     n_rest = b - len(forced)  # plain unless chosen below
     host = costs.t_overhead + costs.t_emit(b)  # the same for every plan of this step
 
-    def goodput(m: int, prefix_e: float, prefix_pass: int, depth: int) -> float:
+    def goodput(m: int, prefix_e: float, prefix_pass: int, depth: int, catch: float) -> float:
         tokens = f_tokens + prefix_e + (n_rest - m)
         t = _time(costs, f_pass + prefix_pass + (n_rest - m), len(forced) + m, max(f_depth, depth), overlap, host)
+        t += f_catch + catch
         return tokens / t if t > 0 else 0.0
 
-    plain = goodput(0, 0.0, 0, 0) if b else 0.0
+    plain = goodput(0, 0.0, 0, 0, 0.0) if b else 0.0
     best, best_m, best_k = plain, 0, 0
     max_cap = max((candidates[i].cap for i in adaptive), default=0)
     for k in range(1, max_cap + 1):
-        e_sum, pass_sum, depth = 0.0, 0, 0
+        e_sum, pass_sum, depth, catch = 0.0, 0, 0, 0.0
         for m, i in enumerate(adaptive, start=1):
             ki = min(k, candidates[i].cap)
-            e_sum += expected_tokens_per_step(candidates[i].alpha, ki)
+            e = expected_tokens_per_step(candidates[i].alpha, ki)
+            e_sum += e
+            catch += candidates[i].catch_up_share(e)
             pass_sum += ki + 1
             depth = max(depth, ki)
-            g = goodput(m, e_sum, pass_sum, depth)
+            g = goodput(m, e_sum, pass_sum, depth, catch)
             if g > best + 1e-12:
                 best, best_m, best_k = g, m, k
     if best_m and best < plain * margin:

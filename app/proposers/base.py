@@ -29,12 +29,38 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class FirstPass:
+    """The first forward of a proposer's step feeds every sequence what it has not seen yet (one
+    token per sequence after a rejection, two after a full acceptance — the last proposal and the
+    bonus token —, its whole context when it is new or has decoded plainly since) and proposes its
+    first token. When it fed more than two tokens per sequence it was a catch-up (a prefill), whose
+    time says nothing about the cost of a draft step."""
+
+    tokens: int = 0  # tokens fed, all sequences together
+    sequences: int = 0
+    seconds: float = 0.0
+
+    @property
+    def caught_up(self) -> bool:
+        return self.tokens > 2 * self.sequences
+
+
 class Proposer(ABC):
     """Proposes continuations for a batch of sequences; may keep per-sequence state as a cache."""
+
+    last_first_pass: FirstPass = FirstPass()  # set by proposers that run a model (the draft)
 
     @abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         """One proposal per request, in order."""
+
+    def catch_up_tokens(self, seq_id: str, token_ids: list[int]) -> int:
+        """Tokens the next call would have to feed this sequence before its first proposal beyond
+        the one or two of an ordinary drafting step: a prefill (its whole context when the proposer
+        never saw it, the tokens of every plain step since it last drafted). 0 for proposers with
+        nothing to catch up (n-gram)."""
+        return 0
 
     def observe(self, seq_id: str, num_accepted: int) -> None:
         """Feedback after verification: how many of the last proposals were accepted."""

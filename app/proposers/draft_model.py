@@ -8,12 +8,14 @@ not fed back; if it is accepted it is fed at the next step's catch-up.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from app.config import ModelSpec
 from app.kv_cache import SequenceKV
 from app.model_runner import ModelRunner
-from app.proposers.base import Proposal, ProposalRequest, Proposer
+from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer
 from app.sampling import position_generator, processed_probs, sample
 
 
@@ -47,8 +49,13 @@ class DraftModelProposer(Proposer):
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(ks) if k > 0]
         step = 0
+        t0 = time.perf_counter()
+        self.last_first_pass = FirstPass()
         while active:
             logits = self.runner.forward([caches[i] for i in active], [feeds[i] for i in active])
+            if step == 0:
+                self.last_first_pass = FirstPass(sum(len(feeds[i]) for i in active), len(active),
+                                                 time.perf_counter() - t0)
             for i, row in zip(active, logits):
                 r = requests[i]
                 position = len(r.token_ids) + step

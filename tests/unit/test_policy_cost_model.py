@@ -87,3 +87,21 @@ def test_best_k_zero_under_load_and_speedup_reported():
     assert k > 0 and s > 1.05 and math.isclose(s, speedup(0.8, k, 1, c))
     assert best_k(0.8, 256, c, 8, margin=1.05) == (0, 1.0)
     assert best_k(0.8, 1, c, 0) == (0, 1.0)
+
+
+def test_a_catch_up_first_pass_is_prefill_not_drafting() -> None:
+    from app.proposers.base import FirstPass
+
+    costs = StepCosts()
+    # an ordinary call: 4 steps of 10 ms, first pass fed one token per sequence
+    assert costs.observe_draft_call(8, 4, 0.040, FirstPass(8, 8, 0.010)) == pytest.approx(0.010)
+    assert costs.t_draft(8) == pytest.approx(0.010)
+    # the first drafting step after 60 plain ones: its first pass prefilled 60 tokens per sequence
+    # in 90 ms; the other 3 steps took 10 ms each. Per step: 10 ms, not (90 + 30) / 4 = 30 ms.
+    assert costs.observe_draft_call(8, 4, 0.120, FirstPass(480, 8, 0.090)) == pytest.approx(0.010)
+    assert costs.t_draft(8) == pytest.approx(0.010)
+    assert costs.t_draft_prefill(480) == pytest.approx(0.090)
+    # depth 1 with a catch-up: nothing about draft steps to learn
+    assert costs.observe_draft_call(8, 1, 0.095, FirstPass(480, 8, 0.090)) is None
+    assert costs.t_draft(8) == pytest.approx(0.010)
+    assert costs.observe_draft_call(0, 4, 0.04, FirstPass()) is None

@@ -72,6 +72,39 @@ def test_draft_greedy_proposals_are_the_drafts_greedy_continuation(draft_runner,
     assert proposer.num_cached_sequences() == 0
 
 
+def test_draft_reports_its_first_pass_so_catch_ups_are_told_from_draft_steps(draft_runner, encode):
+    from app.draft_protocol import DraftClient, DraftWorker
+
+    proposer = DraftModelProposer(runner=draft_runner)
+    ids = [encode(p) for p in PROMPTS[:2]]
+    first = proposer.propose([ProposalRequest(f"s{i}", t, 3, GREEDY, 0) for i, t in enumerate(ids)])
+    fp = proposer.last_first_pass
+    assert (fp.tokens, fp.sequences) == (sum(map(len, ids)), 2) and fp.caught_up and fp.seconds > 0
+    # all three accepted + the bonus: each sequence feeds its unfed third proposal and the bonus
+    truth = [t + p.tokens + [7] for t, p in zip(ids, first)]
+    second = proposer.propose([ProposalRequest(f"s{i}", t, 3, GREEDY, 0) for i, t in enumerate(truth)])
+    assert (proposer.last_first_pass.tokens, proposer.last_first_pass.sequences) == (4, 2)
+    assert not proposer.last_first_pass.caught_up
+    # one proposal accepted, then sixteen plain steps: a catch-up again
+    behind = [t + p.tokens[:1] + [5] * 16 for t, p in zip(truth, second)]
+    proposer.propose([ProposalRequest(f"s{i}", t, 2, GREEDY, 0) for i, t in enumerate(behind)])
+    assert proposer.last_first_pass.caught_up and proposer.last_first_pass.tokens == 2 * 16  # p1 was held
+    # the worker and the client carry it across the hop
+    client = DraftClient("t0", DraftWorker(DraftModelProposer(runner=draft_runner)).step)
+    assert client.catch_up_tokens("a", ids[0]) == len(ids[0]) - 2  # never seen: its whole context
+    got = client.propose([ProposalRequest("a", ids[0], 2, GREEDY, 0)])[0].tokens
+    assert client.last_first_pass.tokens == len(ids[0]) and client.last_first_pass.caught_up
+    # the client predicts what the draft's next first pass feeds beyond an ordinary step's 1-2 tokens
+    after = ids[0] + got + [9]  # both accepted + the bonus: the draft feeds got[-1] and the bonus
+    assert client.catch_up_tokens("a", after) == 0
+    plain = after + [4] * 10  # then ten plain steps
+    assert client.catch_up_tokens("a", plain) == 10
+    client.propose([ProposalRequest("a", plain, 2, GREEDY, 0)])
+    assert client.last_first_pass.tokens == 10 + 2  # ...and it did: the catch-up plus an ordinary feed
+    client.release("a")
+    assert client.catch_up_tokens("a", plain) == len(plain) - 2
+
+
 def test_draft_sampled_proposals_carry_processed_probs(draft_runner, encode):
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=16)
     prompt = encode(PROMPTS[1])

@@ -19,8 +19,10 @@ def _auto(alpha: float, n: int = 1, cap: int = 8) -> list[StepCandidate]:
 
 def _goodput(cands: list[StepCandidate], ks: list[int], costs: StepCosts) -> float:
     """The module doc's formula, written out independently of the planner's search."""
-    tokens = sum(expected_tokens_per_step(c.alpha, k) for c, k in zip(cands, ks))
+    es = [expected_tokens_per_step(c.alpha, k) for c, k in zip(cands, ks)]
+    tokens = sum(es)
     t = costs.target(sum(k + 1 for k in ks)) + costs.t_overhead + len(ks) * costs.config.chunk_s
+    t += sum(c.catch_up_s * min(1.0, e / c.remaining) for c, k, e in zip(cands, ks, es) if k)
     spec = [k for k in ks if k]
     if spec:
         t += max(spec) * costs.t_draft(len(spec)) + costs.t_exchange
@@ -106,6 +108,40 @@ def test_plan_is_the_optimum_over_every_subset_and_depth(seed: int) -> None:
                     ks[i] = min(k, cands[i].cap)
                 best = max(best, _goodput(cands, ks, costs))
     assert plan.goodput == pytest.approx(best)
+
+
+def test_catch_up_is_charged_in_proportion_to_the_output_it_pays_for() -> None:
+    costs = _costs()  # target step 20 ms; draft step 5 ms
+    fresh = StepCandidate(8, 0.8, True, catch_up_s=0.0, remaining=64)
+    assert max(plan_step([fresh] * 4, costs, margin=1.05).ks) >= 3
+    # 0.5 s of draft prefill to catch up with 8 tokens left: not worth it this step...
+    behind_short = StepCandidate(8, 0.8, True, catch_up_s=0.5, remaining=8)
+    assert plan_step([behind_short] * 4, costs, margin=1.05).ks == [0] * 4
+    # ...but over 4,000 remaining tokens it is a small share of each step
+    behind_long = StepCandidate(8, 0.8, True, catch_up_s=0.5, remaining=4000)
+    assert max(plan_step([behind_long] * 4, costs, margin=1.05).ks) >= 3
+    # in a mixed batch at equal acceptance the caught-up sequences draft first
+    mixed = [behind_short, fresh, behind_short, fresh]
+    plan = plan_step(mixed, costs, margin=1.05)
+    assert plan.ks[1] > 0 and plan.ks[3] > 0 and plan.ks[0] == plan.ks[2] == 0
+    # forced sequences pay their catch-up in every plan, so it never tips an adaptive choice
+    forced = StepCandidate(4, 0.8, False, catch_up_s=0.5, remaining=8)
+    plan = plan_step([forced, fresh], costs, margin=1.05)
+    assert plan.ks[0] == 4 and plan.ks[1] > 0
+    assert plan.goodput == pytest.approx(_goodput([forced, fresh], plan.ks, costs))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_with_catch_ups_never_loses_to_all_plain_or_all_on(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    costs = _costs(knee_tokens=rng.choice([4, 16, 64]))
+    cands = [StepCandidate(rng.randint(1, 6), rng.random(), True, catch_up_s=rng.choice([0.0, 0.01, 0.3]),
+                           remaining=rng.randint(1, 300)) for _ in range(rng.randint(1, 6))]
+    plan = plan_step(cands, costs)
+    assert plan.goodput == pytest.approx(_goodput(cands, plan.ks, costs))
+    assert plan.goodput >= _goodput(cands, [0] * len(cands), costs) - 1e-9
+    for k in range(1, 7):
+        assert plan.goodput >= _goodput(cands, [min(k, c.cap) for c in cands], costs) - 1e-9
 
 
 def test_host_overhead_per_step_favours_steps_that_emit_more() -> None:
