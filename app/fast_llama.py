@@ -9,28 +9,69 @@ computes the same function with fewer, larger kernels:
   - one CUDA graph per input width T (T=1 decode, T=k+1 verify), replayed with no host
     synchronisation; the caller reads back only the accepted count.
 On the CPU it runs eagerly (used by the unit test that checks it against HF's logits).
+
+`weights="int8"` stores the GEMM weights as weight-only int8 (per-output-row symmetric scales,
+gpt-fast's recipe), halving the bytes a bandwidth-bound decode step reads. Meant for a *draft*:
+a draft only proposes, and the target's verification keeps the output exact, so quantising the
+draft can change only how many proposals are accepted, never what is generated.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from app import int8_gemv
+
 Out = TypeVar("Out")
+Weights = Literal["bf16", "int8", "int8_layers"]
+# An int8 matmul over at most this many rows (batch x width: decode, the draft's 2-token catch-up,
+# short verify passes) runs as a fused GEMV-like Triton kernel reading int8; a longer one (a
+# prefill) dequantises the weight to the model's dtype and uses cuBLAS.
+GEMV_MAX_ROWS = 8
+
+
+class Int8Weight(NamedTuple):
+    """A weight `w [out, in]` stored as `q * scale[:, None]`."""
+    q: torch.Tensor  # [out, in] int8, in [-127, 127]
+    scale: torch.Tensor  # [out], the model's dtype
+
+
+@torch.no_grad()
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-row int8: scale = max|w_row| / 127 (rounded to w's dtype), q = round(w / scale).
+    Every element comes back within scale / 2: |w - q * scale| <= scale / 2."""
+    wf = w.detach().float()
+    scale = (wf.abs().amax(dim=1) / 127).to(w.dtype)  # [out]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: q = 0 with any scale
+    # the scale's rounding to bf16 moves max|w| / scale by at most 127 * 2^-9, so round() never passes 127
+    q = (wf / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
+    return Int8Weight(q, scale)
 
 
 class FastLlama:
     def __init__(self, hf_model: torch.nn.Module, max_batch: int = 1, max_len: int = 1024,
                  compile_elementwise: bool = False, compile_forward: str | None = None,
-                 attention: Literal["sdpa", "grouped"] = "sdpa") -> None:
+                 attention: Literal["sdpa", "grouped"] = "sdpa", weights: Weights = "bf16") -> None:
+        """weights: "bf16" keeps the model's weights as loaded (bf16 on the GPU; an fp32 model stays
+        fp32); "int8" stores the four GEMMs of every layer (wqkv, wo, w_gate_up, w_down) and the
+        lm_head as weight-only int8 with a per-output-row scale in the model's dtype; "int8_layers"
+        quantises the layers' GEMMs and keeps the lm_head as loaded. For a draft model: its logits
+        move slightly (acceptance may drop a little), the speculative output does not change,
+        since the target verifies every proposal. On CUDA each int8 matmul is a small function
+        compiled by Inductor (one Triton kernel reading int8, dequantising in registers); on the
+        CPU it runs eagerly."""
         cfg = hf_model.config
         if compile_elementwise and compile_forward:
             raise ValueError("compile_forward already fuses the elementwise ops: pass one of the two")
         if attention not in ("sdpa", "grouped"):
             raise ValueError(f"attention={attention!r}: pick 'sdpa' or 'grouped'")
+        if weights not in ("bf16", "int8", "int8_layers"):
+            raise ValueError(f"weights={weights!r}: pick 'bf16', 'int8' or 'int8_layers'")
         # Fusing the small elementwise ops (RMSNorm, RoPE, SiLU*up) with torch.compile cuts
         # the kernels per layer roughly 3x; the GEMMs stay cuBLAS. Compiles in seconds, not minutes.
         fuse = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile_elementwise else (lambda f: f)
@@ -53,22 +94,30 @@ class FastLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.max_batch, self.max_len = max_batch, max_len
+        self.weights = weights
+        # int8 matmul per weight shape: see _int8_fn
+        self._int8_fns: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
+        self._int8_inlined = bool(compile_forward)
+        gemm = quantize_int8 if weights != "bf16" else (lambda w: w)
         m = hf_model.model
         self.embed = m.embed_tokens.weight  # [vocab, hidden]
         self.final_norm = m.norm.weight
-        self.lm_head = hf_model.lm_head.weight  # [vocab, hidden] (tied or not)
-        self.layers = []
+        # [vocab, hidden] (tied or not; when tied and quantised, the embedding lookup keeps the original)
+        lm_head = hf_model.lm_head.weight
+        self.lm_head: torch.Tensor | Int8Weight = quantize_int8(lm_head) if weights == "int8" else lm_head
+        self.layers: list[dict[str, torch.Tensor | Int8Weight]] = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
-            self.layers.append({
-                "in_norm": layer.input_layernorm.weight,
-                "post_norm": layer.post_attention_layernorm.weight,
-                "wqkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),  # [(H+2KV)*D, hidden]
-                "wo": a.o_proj.weight,
-                "w_gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # [2*ffn, hidden]
-                "w_down": mlp.down_proj.weight,
-            })
-        self.ffn = self.layers[0]["w_down"].shape[1]
+            with torch.no_grad():
+                self.layers.append({
+                    "in_norm": layer.input_layernorm.weight,
+                    "post_norm": layer.post_attention_layernorm.weight,
+                    "wqkv": gemm(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),  # [(H+2KV)*D, hidden]
+                    "wo": gemm(a.o_proj.weight),  # [hidden, H*D]
+                    "w_gate_up": gemm(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),  # [2*ffn, hidden]
+                    "w_down": gemm(mlp.down_proj.weight),  # [hidden, ffn]
+                })
+        self.ffn = m.layers[0].mlp.down_proj.weight.shape[1]
         # position-major, so a step's K/V rows are written in place (a head-major cache written
         # through a permuted view made Inductor copy the whole cache slice around the write)
         shape = (len(self.layers), max_batch, max_len, self.n_kv, self.head_dim)
@@ -105,16 +154,62 @@ class FastLlama:
         batch_idx = torch.arange(B, device=tokens.device).view(B, 1).expand(B, T)
         h = self._norm(x, self.layers[0]["in_norm"], self.eps)
         for i, L in enumerate(self.layers):
-            qkv = h @ L["wqkv"].T  # [B, T, (H+2KV)*D]
+            qkv = self._mm(h, L["wqkv"])  # [B, T, (H+2KV)*D]
             kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]  # [B, max_len, KV, D]
             # rope, and this step's K/V written into the static cache at each row's positions
             q = self._qkv_to_cache(qkv, cos, sin, kc, vc, batch_idx, positions, H, KV, D)  # [B, H, T, D]
             attn = self._attend(q, kc.transpose(1, 2), vc.transpose(1, 2), mask)  # [B, H, T, D]
-            x, h = self._add_norm(x, attn.transpose(1, 2).reshape(B, T, H * D) @ L["wo"].T, L["post_norm"], self.eps)
-            mlp = self._silu_mul(h @ L["w_gate_up"].T, self.ffn) @ L["w_down"].T
+            x, h = self._add_norm(x, self._mm(attn.transpose(1, 2).reshape(B, T, H * D), L["wo"]), L["post_norm"], self.eps)
+            mlp = self._mm(self._silu_mul(self._mm(h, L["w_gate_up"]), self.ffn), L["w_down"])
             next_norm = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.final_norm
             x, h = self._add_norm(x, mlp, next_norm, self.eps)
-        return h @ self.lm_head.T  # [B, T, vocab]
+        return self._mm(h, self.lm_head)  # [B, T, vocab]
+
+    # ---- int8 weights --------------------------------------------------------------------
+    def _mm(self, x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
+        """x `[..., in]` @ w.T -> `[..., out]`, for w `[out, in]` in the model's dtype or int8."""
+        if isinstance(w, torch.Tensor):
+            return x @ w.T
+        x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        if x2.shape[0] == 2 and self.device.type == "cuda" and int8_gemv.AVAILABLE and not self._int8_inlined:
+            y = int8_gemv.int8_gemv(x2, w.q, w.scale)  # reads the weights once for both rows
+        elif x2.shape[0] <= GEMV_MAX_ROWS:
+            y = self._int8_fn(w.q.shape)(x2, w.q, w.scale)
+        else:  # a prefill: dequantise once (a transient copy of this one matrix) and use cuBLAS
+            y = _int8_matmul(x2, w.q, w.scale)
+        return y.view(*x.shape[:-1], -1)  # [..., out]
+
+    def _int8_fn(self, shape: tuple[int, int]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The few-row int8 matmul for weights of `shape`. CPU: eager. CUDA: `_int8_gemv` compiled
+        (static shapes: a kernel per row count, its block sizes tuned by coordinate descent), one
+        copy of it per weight shape. Dynamo keeps its compiled variants and its recompile limit (8)
+        per code object: one shared function would see 5 weight shapes x row counts and fall back
+        to eager. Inside a compile_forward compile, gpt-fast's form is traced into the forward's
+        graph instead and the mode decides: the max-autotune modes turn coordinate descent tuning
+        on (one row: the fused GEMV) and may fuse the conversion into a Triton GEMM (more rows);
+        other modes dequantise and call cuBLAS. (The written-out few-row form traced there made
+        Inductor hand cuDNN's SDPA a q without unit stride.)"""
+        fn = self._int8_fns.get(shape)
+        if fn is None:
+            if self.device.type != "cuda":
+                fn = _int8_matmul
+            elif self._int8_inlined:
+                fn = _int8_matmul
+            else:
+                # coordinate descent tuning, an Inductor option of this compile only (gpt-fast sets it
+                # globally): it gates Inductor's one-row mm -> fused reduction, and tunes its blocks
+                fn = torch.compile(_own_code(_int8_gemv), fullgraph=True, dynamic=False,
+                                   options={"coordinate_descent_tuning": True})
+            self._int8_fns[shape] = fn
+        return fn
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights one decode step reads: every matrix once (int8 and its scales where
+        quantised) and the norms; the embedding's one row and the KV cache are left out."""
+        def size(w: torch.Tensor | Int8Weight) -> int:
+            return sum(t.numel() * t.element_size() for t in (w if isinstance(w, Int8Weight) else (w,)))
+        return (sum(size(w) for L in self.layers for w in L.values()) + size(self.lm_head)
+                + size(self.final_norm))
 
     # ---- CUDA graphs ---------------------------------------------------------------------
     def capture(self, width: int, batch: int = 1) -> None:
@@ -161,6 +256,32 @@ def capture_graph(device: torch.device, step: Callable[[], Out], before: Callabl
         with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
             out = step()
     return graph, out
+
+
+def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x `[M, in]`, q `[out, in]` int8, scale `[out]` -> x @ (q * scale[:, None]).T `[M, out]`,
+    gpt-fast's form (int8 -> x's dtype is exact). Eagerly this materialises the dequantised weight."""
+    return (x @ q.to(x.dtype).T) * scale
+
+
+def _int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """_int8_matmul for a few rows, compiled: one Triton reduction kernel that loads int8, converts,
+    multiplies, sums in fp32 and scales. For one row Inductor makes it from gpt-fast's form itself,
+    but only under coordinate descent tuning (its mm decomposition is gated on that option). For
+    2+ rows it would convert the whole weight in one kernel and run cuBLAS on the copy (5 bytes
+    moved per weight instead of 1), so the reduction is written out: rows are the inner index of
+    the `[out, M]` result, so the M rows using a weight row read it together. Measured on an H200
+    (1B shapes): gpt-fast's form is ~15% faster than the written-out one at one row, the
+    written-out one ~2x faster at two. Eagerly the written-out form allocates `[out, M, in]` floats."""
+    if x.shape[0] == 1:
+        return _int8_matmul(x, q, scale)  # [1, out]
+    y = (q.unsqueeze(1).float() * x.unsqueeze(0).float()).sum(-1) * scale.float().unsqueeze(1)  # [out, M]
+    return y.to(x.dtype).T.contiguous()  # [M, out]
+
+
+def _own_code(fn: Callable[..., Out]) -> Callable[..., Out]:
+    """A copy of `fn` with its own code object (so Dynamo gives it its own cache of compiled variants)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

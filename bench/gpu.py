@@ -16,6 +16,7 @@ speed with that model. The embedded trained pair runs at its natural acceptance.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from app.fast_decode import (ControlledAcceptance, GreedyLoop, plain_generate, predicted_tokens_per_second,
                              read_back, speculative_generate, to_device)
 from app.fast_llama import FastLlama
+from app.fast_spec_graph import SpeculativePassGraph
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -116,6 +118,19 @@ def loop_step_time(loop: GreedyLoop, reps: int = 50) -> float:
     return timed(lambda: loop.advance(reps)) / reps
 
 
+def pair_step_extra(loop: GreedyLoop, reps: int = 50) -> float:
+    """What a 2-token draft step (feeding [x_{n-1}, x_n], as after a fully accepted pass) costs
+    over a 1-token one: reset + one step of each width, timed alike, differenced (seconds)."""
+    def one(width: int) -> float:
+        def go() -> None:
+            for _ in range(reps):
+                loop.reset([1] * width, 200)
+                loop.advance(1)
+        go()
+        return timed(go) / reps
+    return one(2) - one(1)
+
+
 def decode_only(loop: GreedyLoop, prompt: torch.Tensor, n: int) -> float:
     """Plain decoding's rate with the prompt's prefill left out (tok/s over n-1 decode steps)."""
     loop.reset([int(loop.prefill(prompt)[0, -1].argmax())], prompt.shape[1])
@@ -198,6 +213,26 @@ def run_spec(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n: int,
                              "target_idle_ms_per_pass": (seconds_timed - busy["target_busy_s"]) / st.passes * 1e3}}
 
 
+def run_pass_graph(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n: int, k: int, L: int,
+                   feed: str = "pair") -> dict[str, object]:
+    """Sequential speculation with each pass one CUDA graph (app/fast_spec_graph.py); L must be 0."""
+    assert L == 0, "the one-graph pass is the sequential mode"
+    loop = SpeculativePassGraph(target, draft, k, feed)
+    loop.generate(prompt, 32)  # warm-up
+    result: dict[str, object] = {}
+
+    def go() -> None:
+        result["tokens"], result["stats"] = loop.generate(prompt, n)
+
+    seconds = timed(go)
+    st = result["stats"]
+    return {"tokens": result["tokens"], "tok_s": n / seconds, "k": k, "overlap_steps": 0,
+            "acceptance_rate": st.acceptance_rate, "per_token_acceptance": st.per_token_acceptance,
+            "tokens_per_pass": n / st.passes, "passes": st.passes, "restarts": st.restarts,
+            "draft_steps": st.draft_steps, "proposals_per_pass": dict(sorted(st.widths.items())),
+            "ms_per_pass": seconds / st.passes * 1e3}
+
+
 EMBEDDED_PROMPT = "import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a configuration file.\"\"\"\n"
 
 
@@ -236,6 +271,9 @@ def main() -> None:
     parser.add_argument("--draft-compile", default=None, metavar="MODE",
                         help="compile the draft's whole forward with this torch.compile mode "
                              "(bench/gpu_compile.py: max-autotune-no-cudagraphs made the 1B step 11%% faster on an H200)")
+    parser.add_argument("--draft-weights", default="bf16,int8",
+                        help="draft weight formats to measure, comma-separated (FastLlama weights=: bf16, int8, "
+                             "int8_layers); a quantized draft changes acceptance, never the output")
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu.json"))
     args = parser.parse_args()
@@ -244,7 +282,8 @@ def main() -> None:
     two_gpus = torch.cuda.device_count() > 1
     res: dict[str, object] = {"card": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
                               "torch": torch.__version__, "new_tokens": n, "prompt_tokens": P,
-                              "attention": args.attention, "draft_compile": args.draft_compile}
+                              "attention": args.attention, "draft_compile": args.draft_compile,
+                              "draft_weights": args.draft_weights}
     bw = copy_bandwidth()
     target_hf, draft_hf = random_llama("8b"), random_llama("1b")
     wt, wd = weight_bytes(target_hf), weight_bytes(draft_hf)
@@ -276,38 +315,47 @@ def main() -> None:
 
     draft_hf_1 = random_llama("1b", "cuda:1") if two_gpus else None
 
-    def draft_loop(device: str) -> GreedyLoop:
+    def draft_loop(device: str, weights: str) -> GreedyLoop:
         """The draft's loop on `device`, proposing at alpha 1 until reseeded for each alpha."""
-        fd = FastLlama(draft_hf if device == "cuda:0" else draft_hf_1, max_len=max_len, attention=args.attention, **draft_kw)
+        fd = FastLlama(draft_hf if device == "cuda:0" else draft_hf_1, max_len=max_len, attention=args.attention,
+                       weights=weights, **draft_kw)
         return GreedyLoop(fd, ControlledAcceptance(ref.to(device), 1.0, vocab=128256, seed=7))
     alphas = [float(a) for a in args.alphas.split(",")]
     modes = [("sequential", "cuda:0", False)] + ([("overlapped", "cuda:1", True)] if two_gpus else [])
     rows = []
-    for mode, device, overlap in modes:
-        probe = draft_loop(device)
+    for (mode, device, overlap), weights in [(m, w) for w in args.draft_weights.split(",") for m in modes]:
+        probe = draft_loop(device, weights)
         t_draft = loop_step_time(probe)
-        res[f"t_draft_1b_ms_{mode}"] = t_draft * 1e3
-        res[f"draft_over_target_{mode}"] = t_draft / t_ver[1]
-        print(f"[{time.perf_counter() - t0:.0f}s] {mode}: draft loop step {t_draft * 1e3:.3f} ms "
-              f"({t_draft / t_ver[1]:.3f} of a target step); target pass ms by width "
+        res[f"t_draft_1b_ms_{mode}_{weights}"] = t_draft * 1e3
+        res[f"draft_over_target_{mode}_{weights}"] = t_draft / t_ver[1]
+        res[f"t_draft_pair_extra_ms_{mode}_{weights}"] = pair_step_extra(probe) * 1e3
+        print(f"[{time.perf_counter() - t0:.0f}s] {mode}, {weights} draft: loop step {t_draft * 1e3:.3f} ms "
+              f"({t_draft / t_ver[1]:.3f} of a target step; a 2-token step costs "
+              f"{res[f't_draft_pair_extra_ms_{mode}_{weights}']:.3f} ms more); target pass ms by width "
               f"{ {w: round(t * 1e3, 3) for w, t in t_ver.items()} }", flush=True)
         for alpha in alphas:
             k, L, pred = best_k(alpha, overlap, t_draft, t_ver, max_k)
-            probe.propose.reseed(alpha, seed=7)
-            r = run_spec(ft, probe, prompt, n, k, L)
-            identical = r.pop("tokens") == reference[:n]
-            pred_at_measured = predicted_tokens_per_second(r["per_token_acceptance"], k, L, t_draft, t_ver)
-            rows.append({"mode": mode, "alpha": alpha, **r, "identical_to_plain": identical,
-                         "speedup_vs_plain": r["tok_s"] / plain_tok_s,
-                         "predicted_speedup": pred * t_ver[1], "predicted_speedup_at_measured_alpha": pred_at_measured * t_ver[1],
-                         "achieved_over_predicted": r["tok_s"] / plain_tok_s / (pred_at_measured * t_ver[1])})
-            print(f"[{time.perf_counter() - t0:.0f}s] {json.dumps(rows[-1])}", flush=True)
+            # sequential: the host-verdict loop, then the same passes as one graph each
+            runs = [(mode, run_spec)] + ([] if overlap else [
+                (f"sequential-graph-{feed}", functools.partial(run_pass_graph, feed=feed)) for feed in ("pair", "ahead")])
+            for name, run in runs:
+                probe.propose.reseed(alpha, seed=7)
+                r = run(ft, probe, prompt, n, k, L)
+                identical = r.pop("tokens") == reference[:n]
+                pred_at_measured = predicted_tokens_per_second(r["per_token_acceptance"], k, L, t_draft, t_ver)
+                rows.append({"mode": name, "draft_weights": weights, "alpha": alpha, **r, "identical_to_plain": identical,
+                             "speedup_vs_plain": r["tok_s"] / plain_tok_s, "predicted_speedup": pred * t_ver[1],
+                             "predicted_speedup_at_measured_alpha": pred_at_measured * t_ver[1],
+                             "achieved_over_predicted": r["tok_s"] / plain_tok_s / (pred_at_measured * t_ver[1])})
+                print(f"[{time.perf_counter() - t0:.0f}s] {json.dumps(rows[-1])}", flush=True)
         del probe
         torch.cuda.empty_cache()
     res["speculative"] = rows
     if two_gpus:
-        seq = {r["alpha"]: r["tok_s"] for r in rows if r["mode"] == "sequential"}
-        res["overlapped_over_sequential"] = {r["alpha"]: r["tok_s"] / seq[r["alpha"]] for r in rows if r["mode"] == "overlapped"}
+        for seq_mode in ("sequential", "sequential-graph-pair", "sequential-graph-ahead"):
+            seq = {(r["draft_weights"], r["alpha"]): r["tok_s"] for r in rows if r["mode"] == seq_mode}
+            res[f"overlapped_over_{seq_mode}"] = {f"{r['draft_weights']} {r['alpha']}": r["tok_s"] / seq[r["draft_weights"], r["alpha"]]
+                                                 for r in rows if r["mode"] == "overlapped"}
         res["exchange_ms_cuda1_to_cuda0"] = exchange_time(torch.device("cuda:1"), torch.device("cuda:0"), max_k) * 1e3
     res["exchange_ms_same_gpu"] = exchange_time(torch.device("cuda:0"), torch.device("cuda:0"), max_k) * 1e3
     if not args.skip_embedded:
@@ -317,8 +365,8 @@ def main() -> None:
     args.out.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     print(f"\n{res['card']} x{res['gpus']}, {n} new tokens after a {P}-token prompt, batch 1, greedy")
-    print(f"{'config':58} {'tok/s':>8} {'vs ours plain':>13}")
-    line = lambda name, v: print(f"{name:58} {v:8.1f} {v / plain_tok_s:13.2f}")  # noqa: E731
+    print(f"{'config':80} {'tok/s':>8} {'vs ours plain':>13}")
+    line = lambda name, v: print(f"{name:80} {v:8.1f} {v / plain_tok_s:13.2f}")  # noqa: E731
     line("roofline 8B (weights / copy bandwidth)", bw / wt)
     if "hf_eager_8b_tok_s" in res:
         line("HF transformers eager, 8B", res["hf_eager_8b_tok_s"])
@@ -326,7 +374,7 @@ def main() -> None:
     line("ours plain 8B (static cache + CUDA graph; incl. prefill)", plain_tok_s)
     line("ours plain 8B, decode steps alone", decode_tok_s)
     for r in rows:
-        line(f"ours {r['mode']} α={r['alpha']} k={r['k']} L={r['overlap_steps']} (α̂={r['per_token_acceptance']:.2f}, "
+        line(f"ours {r['mode']} {r['draft_weights']} draft α={r['alpha']} k={r['k']} L={r['overlap_steps']} (α̂={r['per_token_acceptance']:.2f}, "
              f"{r['achieved_over_predicted']:.2f} of pred.)", r["tok_s"])
 
 

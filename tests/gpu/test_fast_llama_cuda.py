@@ -37,3 +37,18 @@ def test_graph_replay_equals_eager() -> None:
         # the GPU benches' configuration (Inductor-fused ops, in-place cache writes) inside a graph:
         # same function up to bf16 rounding
         torch.testing.assert_close(fused.run(tokens, positions).float(), want.float(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", [(40, 96), (3072, 2048), (2048, 8192), (33, 300)])
+def test_triton_int8_gemv_equals_the_dequantised_matmul(m: int, n: int, k: int) -> None:
+    from app.fast_llama import _int8_matmul, quantize_int8
+    from app.int8_gemv import int8_gemv
+
+    torch.manual_seed(0)
+    qw = quantize_int8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = _int8_matmul(x, qw.q, qw.scale).float()
+    got = int8_gemv(x, qw.q, qw.scale).float()
+    assert got.shape == (m, n)
+    assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()  # bf16 rounding of the output
