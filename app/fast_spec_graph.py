@@ -8,11 +8,8 @@ one graph replay and the host never waits inside the loop:
 
     draft   feed [x_{n-1}, x_n] at n-1, n, then k-1 single steps -> p_1..p_k at n+1..n+k
             (always two tokens first: re-feeding x_{n-1} rewrites the K/V it already holds,
-            and one graph serves both the rejected and the fully accepted case) -- feed="pair";
-            or feed="ahead": k+1 single steps from x_n, the last one feeding p_k (its proposal
-            is dropped), so the draft already holds every token up to the new x_n whatever the
-            verdict. "pair" suits a draft whose 2-token step costs about a 1-token one (bf16
-            GEMMs); "ahead" one whose 2-token step is dear (the int8 GEMV kernels)
+            and one graph serves both the rejected and the fully accepted case; feeding k+1 single
+            steps instead, the last one feeding p_k, measured slower with both bf16 and int8 drafts)
     verify  target over [x_n, p_1..p_k] at n..n+k -> its choices c_0..c_k
     accept  a = length of the prefix where p agrees with c; x_{n+1..n+a+1} = c_0..c_a; n += a+1
 
@@ -28,7 +25,6 @@ Same device only (the sequential mode); the overlapped mode stays in app/fast_de
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
@@ -39,15 +35,13 @@ from app.fast_llama import FastLlama, capture_graph
 class SpeculativePassGraph:
     """Greedy speculative decoding at depth k with draft and target on one device."""
 
-    def __init__(self, target: FastLlama, draft: GreedyLoop, k: int, feed: Literal["pair", "ahead"] = "pair") -> None:
-        if feed not in ("pair", "ahead"):
-            raise ValueError(f"feed={feed!r}: pick 'pair' or 'ahead'")
+    def __init__(self, target: FastLlama, draft: GreedyLoop, k: int) -> None:
         if k < 1:
             raise ValueError(f"k={k}: speculative decoding needs k >= 1 (use plain_generate for k=0)")
         if draft.device != target.device:
             raise ValueError(f"draft on {draft.device}, target on {target.device}: the one-graph pass needs "
                              "one device (use speculative_generate's overlapped mode across two)")
-        self.target, self.draft, self.k, self.feed, self.device = target, draft, k, feed, target.device
+        self.target, self.draft, self.k, self.device = target, draft, k, target.device
         self.max_len = min(target.max_len, draft.max_len)
         self.seq = torch.zeros(self.max_len, dtype=torch.long, device=self.device)  # [max_len] x_0, x_1, ...
         self.n = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] position of the last token
@@ -64,17 +58,11 @@ class SpeculativePassGraph:
     @torch.inference_mode()
     def _pass(self) -> None:
         k, d = self.k, self.draft
-        if self.feed == "pair":
-            two = self.n + self.pair  # [2] positions n-1, n
-            d._tok[2].copy_(self.seq.index_select(0, two).view(1, 2))
-            d._pos[2].copy_(two.view(1, 2))
-            d._step(2)
-            steps = k - 1
-        else:
-            d._tok[1].copy_(self.seq.index_select(0, self.n).view(1, 1))
-            d._pos[1].copy_(self.n.view(1, 1))
-            steps = k + 1
-        for _ in range(steps):
+        two = self.n + self.pair  # [2] positions n-1, n
+        d._tok[2].copy_(self.seq.index_select(0, two).view(1, 2))
+        d._pos[2].copy_(two.view(1, 2))
+        d._step(2)
+        for _ in range(k - 1):
             d._step(1)
         at = self.n + self.offsets  # [k+1] positions n..n+k
         proposals = d.tokens.index_select(0, at[1:])  # [k]
@@ -114,5 +102,5 @@ class SpeculativePassGraph:
             done = int(self.n.item())  # the round's one host synchronisation
         passes, accepted, checked, rejected = self.counts.tolist()
         stats = SpecStats(passes=passes, drafted=passes * k, accepted=accepted, checked=checked, restarts=rejected,
-                          draft_steps=passes * (k + (self.feed == "ahead")), widths={k: passes})
+                          draft_steps=passes * k, widths={k: passes})
         return self.seq[P: P + n_new].tolist(), stats

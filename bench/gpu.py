@@ -16,7 +16,6 @@ speed with that model. The embedded trained pair runs at its natural acceptance.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from pathlib import Path
@@ -213,11 +212,10 @@ def run_spec(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n: int,
                              "target_idle_ms_per_pass": (seconds_timed - busy["target_busy_s"]) / st.passes * 1e3}}
 
 
-def run_pass_graph(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n: int, k: int, L: int,
-                   feed: str = "pair") -> dict[str, object]:
+def run_pass_graph(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n: int, k: int, L: int) -> dict[str, object]:
     """Sequential speculation with each pass one CUDA graph (app/fast_spec_graph.py); L must be 0."""
     assert L == 0, "the one-graph pass is the sequential mode"
-    loop = SpeculativePassGraph(target, draft, k, feed)
+    loop = SpeculativePassGraph(target, draft, k)
     loop.generate(prompt, 32)  # warm-up
     result: dict[str, object] = {}
 
@@ -336,8 +334,7 @@ def main() -> None:
         for alpha in alphas:
             k, L, pred = best_k(alpha, overlap, t_draft, t_ver, max_k)
             # sequential: the host-verdict loop, then the same passes as one graph each
-            runs = [(mode, run_spec)] + ([] if overlap else [
-                (f"sequential-graph-{feed}", functools.partial(run_pass_graph, feed=feed)) for feed in ("pair", "ahead")])
+            runs = [(mode, run_spec)] + ([] if overlap else [("sequential-graph", run_pass_graph)])
             for name, run in runs:
                 probe.propose.reseed(alpha, seed=7)
                 r = run(ft, probe, prompt, n, k, L)
@@ -352,7 +349,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     res["speculative"] = rows
     if two_gpus:
-        for seq_mode in ("sequential", "sequential-graph-pair", "sequential-graph-ahead"):
+        for seq_mode in ("sequential", "sequential-graph"):
             seq = {(r["draft_weights"], r["alpha"]): r["tok_s"] for r in rows if r["mode"] == seq_mode}
             res[f"overlapped_over_{seq_mode}"] = {f"{r['draft_weights']} {r['alpha']}": r["tok_s"] / seq[r["draft_weights"], r["alpha"]]
                                                  for r in rows if r["mode"] == "overlapped"}

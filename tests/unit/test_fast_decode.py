@@ -112,14 +112,14 @@ def test_bad_arguments_are_refused(hf_pair, prompt) -> None:
 
 # ---- the one-graph pass (app/fast_spec_graph.py): the same algorithm with the verdict on the device ----
 
-def _pass_graph(hf_pair, k: int, propose=None, max_len: int = MAX_LEN, feed: str = "pair") -> SpeculativePassGraph:
+def _pass_graph(hf_pair, k: int, propose=None, max_len: int = MAX_LEN) -> SpeculativePassGraph:
     target = FastLlama(hf_pair[0], max_len=max_len)
-    return SpeculativePassGraph(target, GreedyLoop(FastLlama(hf_pair[1], max_len=max_len), propose=propose), k, feed)
+    return SpeculativePassGraph(target, GreedyLoop(FastLlama(hf_pair[1], max_len=max_len), propose=propose), k)
 
 
-@pytest.mark.parametrize("k,feed", [(1, "pair"), (3, "pair"), (6, "pair"), (1, "ahead"), (4, "ahead")])
-def test_pass_graph_equals_plain_and_the_host_loop(hf_pair, prompt, plain, k, feed) -> None:
-    out, stats = _pass_graph(hf_pair, k, feed=feed).generate(prompt, N_NEW)
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_pass_graph_equals_plain_and_the_host_loop(hf_pair, prompt, plain, k) -> None:
+    out, stats = _pass_graph(hf_pair, k).generate(prompt, N_NEW)
     assert out == plain
     # the host-verdict loop runs the same passes: the same proposals accepted, pass by pass
     _, host = _speculate(hf_pair, prompt, k, 0)
@@ -128,17 +128,16 @@ def test_pass_graph_equals_plain_and_the_host_loop(hf_pair, prompt, plain, k, fe
     assert stats.accepted > 0 and stats.drafted == k * stats.passes
 
 
-@pytest.mark.parametrize("feed", ["pair", "ahead"])
-def test_pass_graph_at_controlled_acceptance(hf_pair, prompt, plain, feed) -> None:
+def test_pass_graph_at_controlled_acceptance(hf_pair, prompt, plain) -> None:
     full = plain_generate(GreedyLoop(FastLlama(hf_pair[0], max_len=MAX_LEN)), prompt, N_NEW + 12)
     ref = _reference(prompt, full)
-    out, stats = _pass_graph(hf_pair, 3, ControlledAcceptance(ref, alpha=1.0, vocab=4096), feed=feed).generate(prompt, N_NEW)
+    out, stats = _pass_graph(hf_pair, 3, ControlledAcceptance(ref, alpha=1.0, vocab=4096)).generate(prompt, N_NEW)
     assert out == plain and stats.restarts == 0 and stats.acceptance_rate == 1.0
     assert stats.passes == -(-(N_NEW - 1) // 4)  # k + 1 tokens per pass after the prefill's first
-    out, stats = _pass_graph(hf_pair, 3, ControlledAcceptance(ref, alpha=0.0, vocab=4096), feed=feed).generate(prompt, N_NEW)
+    out, stats = _pass_graph(hf_pair, 3, ControlledAcceptance(ref, alpha=0.0, vocab=4096)).generate(prompt, N_NEW)
     assert out == plain and stats.accepted == 0 and stats.passes == N_NEW - 1 == stats.restarts
     # a second generation on the same object starts clean
-    graph = _pass_graph(hf_pair, 4, ControlledAcceptance(ref, alpha=0.6, vocab=4096, seed=3), feed=feed)
+    graph = _pass_graph(hf_pair, 4, ControlledAcceptance(ref, alpha=0.6, vocab=4096, seed=3))
     first, s1 = graph.generate(prompt, N_NEW)
     second, s2 = graph.generate(prompt, N_NEW)
     assert first == second == plain and 0 < s1.accepted < s1.checked and s2.passes > 0  # coins differ: a counter
@@ -149,5 +148,3 @@ def test_pass_graph_refuses_what_it_cannot_do(hf_pair, prompt) -> None:
         _pass_graph(hf_pair, 0)
     with pytest.raises(ValueError, match="needs caches of"):
         _pass_graph(hf_pair, 3, max_len=48).generate(prompt, N_NEW)
-    with pytest.raises(ValueError, match="pick 'pair' or 'ahead'"):
-        _pass_graph(hf_pair, 3, feed="both")
