@@ -110,11 +110,19 @@ class EngineLoop:
 async def stream_updates(queue: asyncio.Queue, timeout_s: float):
     """Yield SeqUpdates until the sequence finishes; raise TimeoutError past the deadline."""
     deadline = time.monotonic() + timeout_s
+    expired = f"request exceeded its {timeout_s:.0f}s deadline"
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(f"request exceeded its {timeout_s:.0f}s deadline")
-        item = await asyncio.wait_for(queue.get(), timeout=remaining)
+            raise TimeoutError(expired)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+        # lands in the same loop turn as the item (it returns the item instead), and a
+        # cancelled request then keeps generating until max_tokens
+        try:
+            async with asyncio.timeout(remaining):
+                item = await queue.get()
+        except TimeoutError:
+            raise TimeoutError(expired) from None
         if isinstance(item, Exception):
             raise item
         update: SeqUpdate = item

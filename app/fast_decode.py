@@ -117,7 +117,7 @@ class GreedyLoop:
     def _step(self, width: int) -> None:
         tok, pos = self._tok[width], self._pos[width]  # [1, w]
         nxt_pos = pos[:, -1] + 1  # [1]
-        nxt = self.model.forward(tok, pos)[:, -1].argmax(-1)  # [1]
+        nxt = self.model.forward(tok, pos, last_only=True)[:, -1].argmax(-1)  # [1]
         if self.propose is not None:
             nxt = self.propose(nxt, nxt_pos)
         self.tokens.index_copy_(0, nxt_pos, nxt)
@@ -136,11 +136,11 @@ class GreedyLoop:
         self._pos[width].copy_(torch.arange(start, start + width, device=self.device).view(1, -1))
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
-        """prompt `[1, P]` -> logits `[1, P, vocab]`; K/V for positions 0..P-1."""
+        """prompt `[1, P]` -> the logits of its last position `[1, vocab]`; K/V for positions 0..P-1.
+        No host synchronisation (a graph replay on CUDA: FastLlama.prefill_last)."""
         prompt = prompt.to(self.device)
-        positions = torch.arange(prompt.shape[1], device=self.device).view(1, -1)
         self.tokens[: prompt.shape[1]] = prompt[0]
-        return self.model.prefill(prompt, positions)
+        return self.model.prefill_last(prompt)
 
     def reset(self, tokens: list[int], position: int) -> None:
         """The next step feeds `tokens` (1 or 2) at `position`..; K/V below `position` must be valid.
@@ -179,7 +179,7 @@ class GreedyLoop:
 def plain_generate(target: GreedyLoop, prompt: torch.Tensor, n_new: int) -> list[int]:
     """Greedy decoding: one graph replay per token, one host read at the end."""
     P = prompt.shape[1]
-    first = int(target.prefill(prompt)[0, -1].argmax())
+    first = int(target.prefill(prompt)[0].argmax())
     target.reset([first], P)
     target.advance(n_new - 1)
     return [first] + target.read(P + 1, P + n_new).tolist()
@@ -238,9 +238,12 @@ def speculative_generate(target: FastLlama, draft: GreedyLoop, prompt: torch.Ten
         raise ValueError(f"prompt {P} + {n_new} new tokens needs caches of {needed}; "
                          f"target has {target.max_len}, draft {draft.max_len}")
     stats = SpecStats()
-    positions = torch.arange(P, device=target.device).view(1, -1)
-    first = int(target.prefill(prompt, positions)[0, -1].argmax())
-    draft.prefill(prompt)
+    # both prefills are queued before the host waits on either, so on two GPUs they overlap (the
+    # prompt is copied to the draft first: a copy from the target's GPU would wait for its prefill)
+    draft_prompt = prompt.to(draft.device)
+    first_dev = target.prefill_last(prompt.to(target.device))[0].argmax()  # []
+    draft.prefill(draft_prompt)
+    first = int(first_dev)
     draft.reset([first], P)
     out, last, n = [first], first, P  # `last` sits at position n and is not in the target's cache yet
     ready: list[int] = []  # the draft's chain after `last`: its tokens for positions n+1, n+2, ...

@@ -33,6 +33,9 @@ Weights = Literal["bf16", "int8", "int8_layers"]
 # short verify passes) runs as a fused GEMV-like Triton kernel reading int8; a longer one (a
 # prefill) dequantises the weight to the model's dtype and uses cuBLAS.
 GEMV_MAX_ROWS = 8
+# prefill_last captures a graph per power-of-two prompt bucket up to this length (longer prompts
+# run eagerly: there the kernels, not the launches, dominate)
+PREFILL_GRAPH_MAX_LEN = 2048
 
 
 class Int8Weight(NamedTuple):
@@ -131,12 +134,16 @@ class FastLlama:
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.key_pos = torch.arange(max_len, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # prefill_last's graphs per prompt-length bucket: (graph, tokens, positions, hidden)
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # ---- the forward ---------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions: `[B, T]` -> logits `[B, T, vocab]`; writes K/V at `positions`."""
-        return self._forward_fn(tokens, positions)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """tokens, positions: `[B, T]` -> logits `[B, T, vocab]`; writes K/V at `positions`.
+        last_only: logits of the last position only, `[B, 1, vocab]` (a draft step feeding two tokens
+        needs the next token after the second; the lm_head is the largest matrix of a 1B step)."""
+        return self._forward_fn(tokens, positions, last_only)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -144,7 +151,44 @@ class FastLlama:
         compiling it (minutes with autotuning) would cost more than it saves."""
         return self._forward(tokens, positions)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()
+    def prefill_last(self, prompt: torch.Tensor) -> torch.Tensor:
+        """prompt `[1, P]` at positions 0..P-1 -> the logits of its last position `[1, vocab]`;
+        K/V for 0..P-1 in batch row 0 (a batch-1 loop's whole sequence starts here).
+
+        On CUDA the layers run as one CUDA graph per power-of-two length bucket, captured on
+        first use: eagerly a batch-1 prefill is launch-bound (an 8B, 128-token prefill on an
+        H200: ~7 ms of kernels in 23-32 ms of wall time). The prompt is padded to its bucket;
+        the pads' K/V land at positions P.., where entries are stale (masked, then overwritten)
+        anyway, and the causal mask keeps them out of the rows that matter. Capture writes row 0
+        from position 0, which this prefill overwrites in any case."""
+        P = prompt.shape[1]
+        bucket = max(16, 1 << (P - 1).bit_length())
+        if self.device.type != "cuda" or bucket > min(self.max_len - 1, PREFILL_GRAPH_MAX_LEN):
+            positions = torch.arange(P, device=self.device).view(1, -1)
+            return self._forward(prompt, positions, last_only=True)[:, -1]
+        entry = self._prefill_graphs.get(bucket)
+        if entry is None:
+            tokens = torch.zeros((1, bucket), dtype=torch.long, device=self.device)
+            positions = torch.arange(bucket, device=self.device).view(1, -1)
+            graph, hidden = capture_graph(self.device, lambda: self._hidden(tokens, positions))
+            # the graph reads `positions` by address: keep it alive with the graph
+            entry = self._prefill_graphs[bucket] = (graph, tokens, positions, hidden)
+        graph, tokens, _, hidden = entry  # tokens, positions [1, bucket]; hidden [1, bucket, hidden]
+        tokens[:, :P].copy_(prompt)
+        tokens[:, P:].zero_()
+        with torch.cuda.device(self.device):  # replay() uses the current device's stream
+            graph.replay()
+        return self._mm(hidden[:, P - 1: P], self.lm_head)[:, 0]  # [1, vocab]
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        h = self._hidden(tokens, positions)  # [B, T, hidden]
+        if last_only:
+            h = h[:, -1:]  # [B, 1, hidden]
+        return self._mm(h, self.lm_head)  # [B, T or 1, vocab]
+
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layers: tokens, positions `[B, T]` -> final-normed hidden states `[B, T, hidden]`."""
         B, T = tokens.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # [B, T, hidden]
@@ -163,7 +207,7 @@ class FastLlama:
             mlp = self._mm(self._silu_mul(self._mm(h, L["w_gate_up"]), self.ffn), L["w_down"])
             next_norm = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.final_norm
             x, h = self._add_norm(x, mlp, next_norm, self.eps)
-        return self._mm(h, self.lm_head)  # [B, T, vocab]
+        return h
 
     # ---- int8 weights --------------------------------------------------------------------
     def _mm(self, x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:

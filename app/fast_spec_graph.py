@@ -84,8 +84,7 @@ class SpeculativePassGraph:
         if P < 1:
             raise ValueError("an empty prompt: give at least one token")
         prompt = prompt.to(self.device)
-        positions = torch.arange(P, device=self.device).view(1, -1)
-        first = self.target.prefill(prompt, positions)[0, -1].argmax()  # []
+        first = self.target.prefill_last(prompt)[0].argmax()  # []
         self.draft.prefill(prompt)
         self.seq[:P] = prompt[0]
         self.seq[P] = first

@@ -1,12 +1,13 @@
 """How deep does auto draft at one load level, against "on"? (CPU, the embedded pair)
 
-    .venv/bin/python -m bench.depth_probe [--streams 32] [--seconds 30] [--order auto,on,auto,on]
+    .venv/bin/python -m bench.depth_probe [--streams 32] [--seconds 30] [--order auto,on,auto,on,on:6]
 
 Starts the app in a child process with its own Ray (as `bench.load --start` does, max_num_seqs =
 streams), then runs closed-loop non-streaming clients for `--seconds` per policy in the given order
 and reads every answer's `usage.speculation`: tokens per drafting step (drafted_tokens /
 num_drafts), drafting steps per request, acceptance (accepted / drafted) and goodput. The first
 window of a fresh app shows the policy before its cost curves have measured wide passes.
+"on:K" forces speculation at depth K (`num_speculative_tokens`), to find the best fixed depth.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from bench.load import PROMPTS, app_overrides
 async def _client(http: httpx.AsyncClient, url: str, policy: str, i: int, stop: float, out: list[dict]) -> None:
     n = 0
     while time.monotonic() < stop:
+        mode, _, depth = policy.partition(":")
         body = {"model": "specserve-embedded", "prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": 64,
-                "temperature": 0, "ignore_eos": True, "speculation": policy}
+                "temperature": 0, "ignore_eos": True, "speculation": mode}
+        if depth:
+            body["num_speculative_tokens"] = int(depth)
         r = await http.post(f"{url}/v1/completions", json=body, timeout=120)
         r.raise_for_status()
         out.append(r.json()["usage"])
@@ -50,11 +54,16 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--order", default="auto,on,auto,on")
+    ap.add_argument("--chunk-s", type=float, default=None,
+                    help="override policy.costs.chunk_s (configs/local.yaml's host cost per streamed chunk)")
     args = ap.parse_args()
-    with AppProcess(local_args(app_overrides(args.streams))) as app:
+    overrides = app_overrides(args.streams)
+    if args.chunk_s is not None:
+        overrides["policy"] = {"costs": {"chunk_s": args.chunk_s}}
+    with AppProcess(local_args(overrides)) as app:
         for policy in args.order.split(","):
             r = asyncio.run(window(app.url, policy, args.streams, args.seconds))
-            print(f"{policy:5} " + "  ".join(f"{k} {v:.3g}" for k, v in r.items()), flush=True)
+            print(f"{policy:6} " + "  ".join(f"{k} {v:.3g}" for k, v in r.items()), flush=True)
 
 
 if __name__ == "__main__":

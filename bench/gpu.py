@@ -132,7 +132,7 @@ def pair_step_extra(loop: GreedyLoop, reps: int = 50) -> float:
 
 def decode_only(loop: GreedyLoop, prompt: torch.Tensor, n: int) -> float:
     """Plain decoding's rate with the prompt's prefill left out (tok/s over n-1 decode steps)."""
-    loop.reset([int(loop.prefill(prompt)[0, -1].argmax())], prompt.shape[1])
+    loop.reset([int(loop.prefill(prompt)[0].argmax())], prompt.shape[1])
     return (n - 1) / timed(lambda: loop.advance(n - 1))
 
 

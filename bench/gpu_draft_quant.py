@@ -69,7 +69,7 @@ def greedy_chain(fd: FastLlama, prompt: torch.Tensor, steps: int) -> list[int]:
     """The draft's own greedy continuation: tokens for positions P .. P+steps."""
     loop = GreedyLoop(fd)
     P = prompt.shape[1]
-    first = int(loop.prefill(prompt)[0, -1].argmax())
+    first = int(loop.prefill(prompt)[0].argmax())
     loop.reset([first], P)
     loop.advance(steps)
     return [first] + loop.read(P + 1, P + 1 + steps).tolist()
@@ -83,7 +83,7 @@ def agreement(fd: FastLlama, prompt: torch.Tensor, chain: list[int]) -> dict[str
     forced[P: P + len(chain)] = torch.tensor(chain, device=fd.device)
     rec = RecordingAcceptance(forced, VOCAB)
     loop = GreedyLoop(fd, rec)
-    first = int(loop.prefill(prompt)[0, -1].argmax())  # the prefill path (dequantise + cuBLAS)
+    first = int(loop.prefill(prompt)[0].argmax())  # the prefill path (dequantise + cuBLAS)
     loop.reset([chain[0]], P)
     loop.advance(steps)
     mine = [first] + rec.drafted[P + 1: P + 1 + steps].tolist()

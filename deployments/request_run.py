@@ -122,11 +122,11 @@ class RequestRun:
                 while True:
                     remaining = self.deadline + DEADLINE_GRACE_S - time.monotonic()
                     try:
-                        chunk = await asyncio.wait_for(stream.__anext__(), timeout=max(remaining, 0.01))
+                        # asyncio.timeout, not wait_for (which on 3.11 can swallow a client's cancel)
+                        async with asyncio.timeout(max(remaining, 0.01)):
+                            chunk = await stream.__anext__()
                     except StopAsyncIteration:
                         return
-                    except asyncio.TimeoutError:  # the target neither answered nor timed out itself
-                        raise timeout_error(self.request.timeout_s) from None
                     if chunk.error:
                         headers = {"Retry-After": "1"} if chunk.status == 429 else None
                         raise RequestError(chunk.status, chunk.error, type_="server_overloaded"
@@ -136,8 +136,9 @@ class RequestRun:
                     if chunk.finish_reason is not None:
                         return
             except TimeoutError as e:
-                # the target's own deadline (a RayTaskError that is also a TimeoutError): not a
-                # replica failure, so no re-issue
+                # the target's own deadline (a RayTaskError that is also a TimeoutError), or ours
+                # when a hung target neither answered nor timed out itself: not a replica
+                # failure, so no re-issue
                 raise timeout_error(self.request.timeout_s) from e
             except TaskCancelledError:
                 raise  # we (or Serve, for a gone client) cancelled it: nothing to re-issue

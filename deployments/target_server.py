@@ -23,7 +23,7 @@ from app.engine import Overloaded, SpecEngine
 from app.engine_loop import EngineLoop, stream_updates
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import ContextOverflow, ModelRunner
-from app.policy import AcceptanceTracker, SpeculationPolicy, StepCandidate, StepExplorer
+from app.policy import AcceptanceTracker, SpeculationPolicy, StepCandidate, StepExplorer, StepPlan
 from app.proposers import NgramProposer, Proposer
 from deployments.metrics_ray import ServeMetrics
 
@@ -145,6 +145,8 @@ class TargetServer:
         self.explorer = StepExplorer(c.explore_every_steps, c.exploration_k) if c.explore_every_steps else None
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
+        self._planned: tuple[StepPlan, int] | None = None  # this step's plan and batch size, set in _plan_k
+        self._plans_seen, self._depths = 0, {}  # for a periodic log line of the plans' depths
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
 
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
@@ -164,10 +166,21 @@ class TargetServer:
         plan = self.policy.plan_step(candidates, explore_k=explore_k)
         if self.explorer is not None:
             self.explorer.record(plan, candidates)
+        self._planned = (plan, len(batch))  # its realized time is fed back in _on_step
         return plan.ks
 
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         times = engine.last_times
+        if self._planned is not None:
+            plan, batch = self._planned
+            self._planned = None
+            self.policy.observe_step(plan, batch, seconds - times.prefill)  # newcomers' prefill is not the plan's
+            self._plans_seen += 1
+            self._depths[plan.depth] = self._depths.get(plan.depth, 0) + 1
+            if self._plans_seen % 500 == 0 and self.policy.calibration is not None:
+                log.info("step plans by depth %s; step-time calibration %s", dict(sorted(self._depths.items())),
+                         self.policy.calibration.snapshot())
+                self._depths.clear()
         drafted = sum(u.drafted for u in updates)
         accepted = sum(u.accepted for u in updates)
         num_drafts = sum(1 for u in updates if u.drafted)
@@ -226,6 +239,12 @@ class TargetServer:
         finally:
             if not finished:  # client gone, deadline passed, or the router cancelled us
                 self.loop.cancel(request.request_id)
+
+    def policy_state(self) -> dict:
+        """The step planner's calibration: realized / predicted step time per 'b{bucket}/k{depth}'."""
+        cal = self.policy.calibration
+        return {"calibration": cal.snapshot() if cal is not None else {},
+                "calibration_probes": cal.probes if cal is not None else 0}
 
     def load(self) -> dict:
         """The load figures with the last published measurements (does not close the window)."""

@@ -5,6 +5,7 @@ The router calls `SpeculationPolicy.decide` per request; the target engine calls
 from what it measures.
 """
 
+from .calibration import StepTimeCalibration
 from .cost_model import (
     CostCurve,
     StepCosts,
@@ -40,6 +41,7 @@ __all__ = [
     "StepCostsConfig",
     "StepCandidate",
     "StepExplorer",
+    "StepTimeCalibration",
     "StepPlan",
     "best_k",
     "best_spec_k",

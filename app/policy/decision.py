@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost_model import StepCosts, StepCostsConfig, best_k, best_spec_k, speedup
+from .calibration import StepTimeCalibration
 from .step_plan import StepCandidate, StepPlan, plan_step
 from .trackers import AcceptanceTracker, LengthPredictor
 
@@ -125,6 +126,14 @@ class PolicyConfig(_Strict):
     length_quantile: float = Field(0.9, gt=0.0, lt=1.0)
     length_min_samples: int = Field(8, ge=1)
     costs: StepCostsConfig = Field(default_factory=StepCostsConfig, description="priors and host costs of the cost model")
+    # off by default: in the CPU concurrency sweeps (bench/RESULTS.md section 7, runs G and H) the
+    # calibrated planner was not closer to the better fixed policy than the uncalibrated one (run F)
+    calibration_half_life_steps: float = Field(
+        0.0, ge=0,
+        description="engine steps over which the realized/predicted step time per (batch, depth) is averaged "
+                    "(app/policy/calibration.py), e.g. 64; 0 (default): plan on the cost model's parts alone")
+    calibration_probe_every: int = Field(
+        8, ge=0, description="one speculative step in this many runs a depth next to the planned one, to measure it; 0: never")
 
 
 class SpeculationPolicy:
@@ -147,6 +156,8 @@ class SpeculationPolicy:
         self.lengths = lengths or LengthPredictor(
             window=c.length_window, quantile=c.length_quantile, min_samples=c.length_min_samples
         )
+        self.calibration = (StepTimeCalibration(c.calibration_half_life_steps, probe_every=c.calibration_probe_every)
+                            if c.calibration_half_life_steps > 0 else None)
         self._seen: dict[tuple[str, str], int] = {}  # (replica, kind) -> last publication ingested
         self._lock = threading.Lock()
 
@@ -234,5 +245,22 @@ class SpeculationPolicy:
     # -- per step, in the engine ---------------------------------------------------------------
     def plan_step(self, candidates: list[StepCandidate], explore_k: int | None = None) -> StepPlan:
         """The batch's plan for one engine step (app/policy/step_plan.py) on this policy's costs."""
-        return plan_step(candidates, self.costs, margin=self.config.margin, explore_k=explore_k,
-                         overlap=self.config.overlap)
+        cal = self.calibration
+        max_cap = max((c.cap for c in candidates), default=0)
+        factors = cal.factors(len(candidates), max_cap) if cal is not None else None
+        plan = plan_step(candidates, self.costs, margin=self.config.margin, explore_k=explore_k,
+                         overlap=self.config.overlap, time_factors=factors)
+        probe = cal.probe_depth(plan.depth, max_cap) if cal is not None and not plan.explored else None
+        if probe is not None:  # measure another depth this step (calibration.py)
+            probed = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap,
+                               time_factors=factors, only_depth=probe)
+            if probed.depth == probe:
+                return probed
+        return plan
+
+    def observe_step(self, plan: StepPlan, batch: int, realized_s: float) -> None:
+        """A planned step's wall time (its forwards, the draft call and host work; not newcomers'
+        prefill): calibrates the planner's predicted time for plans of that depth and batch size.
+        The catch-up prefill the plan predicted is taken out first: it is charged separately."""
+        if self.calibration is not None and plan.step_s > 0:
+            self.calibration.observe(batch, plan.depth, plan.step_s, max(realized_s - plan.catch_up_s, 0.1 * realized_s))

@@ -25,6 +25,13 @@ the highest α (E grows with α and the cost does not depend on which), so the s
 (m, k): O(b · max_k) cost-curve lookups. (With catch-ups the best m are not always the m highest
 α; ties go to the one with less to catch up, and the rest is left to the next step's plan.)
 
+The parts can each be measured right and still sum to the wrong step time at some depths (host
+contention on a shared CPU, the draft's first pass): `time_factors` scale a plan's predicted
+engine time (the forwards, the draft call, the engine's host time) by the realized / predicted
+ratio the engine measured for plans of its depth (calibration.py). The chunks' host time is
+added after: it is spent outside the engine step (router, proxy), so a step's wall time cannot
+measure it.
+
 Exploration lives here too, at step granularity: when no adaptive sequence has drafted for
 `every_steps` steps, one step speculates at a shallow depth so the acceptance estimate stays
 measured. Its cost is bounded by one speculative step in `every_steps` (and that step still
@@ -34,6 +41,7 @@ paying the draft call for their whole life.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .cost_model import StepCosts, expected_tokens_per_step
@@ -60,6 +68,9 @@ class StepPlan:
     goodput: float  # predicted tokens per second of the chosen plan
     plain_goodput: float  # ... with every adaptive sequence decoding plainly
     explored: bool = False
+    depth: int = 0  # the deepest k of the plan (0: a plain step)
+    step_s: float = 0.0  # the plan's engine step time from the model's parts, uncalibrated (no chunk or catch-up time)
+    catch_up_s: float = 0.0  # predicted catch-up prefill of the sequences that draft this step, in full
 
 
 def _time(costs: StepCosts, pass_tokens: int, num_spec: int, depth: int, overlap: bool, host: float) -> float:
@@ -77,12 +88,18 @@ def plan_step(
     margin: float = 1.0,
     explore_k: int | None = None,
     overlap: bool = False,
+    time_factors: Sequence[float] | None = None,
+    only_depth: int | None = None,
 ) -> StepPlan:
     """The goodput-maximising plan for one step (see the module doc).
 
     `margin`: the adaptive sequences speculate only when that beats the plain plan by this
     factor (model error absorbs small predicted gains). `explore_k`: if the best plan leaves
     every adaptive sequence plain, speculate them all at this depth anyway (an exploration step).
+    `time_factors[d]`: realized / predicted step time measured for plans of depth d (0: plain) at
+    this batch size (calibration.py); the model's step time of such a plan is scaled by it.
+    `only_depth`: search the adaptive sequences' plans at this common depth only (plain included),
+    for a calibration probe of a depth next to the usual one.
     """
     b = len(candidates)
     ks = [0] * b
@@ -97,18 +114,26 @@ def plan_step(
     f_pass = sum(ks[i] + 1 for i in forced)
     f_depth = max((ks[i] for i in forced), default=0)
     n_rest = b - len(forced)  # plain unless chosen below
-    host = costs.t_overhead + costs.t_emit(b)  # the same for every plan of this step
+    # host time of any step: the engine's own (inside the step's wall time, so calibrated with it)
+    # and the streamed chunks' (the router's and proxy's work, outside it: never calibrated)
+    host, emit = costs.t_overhead, costs.t_emit(b)
+
+    def factor(depth: int) -> float:
+        return time_factors[depth] if time_factors is not None and depth < len(time_factors) else 1.0
 
     def goodput(m: int, prefix_e: float, prefix_pass: int, depth: int, catch: float) -> float:
         tokens = f_tokens + prefix_e + (n_rest - m)
-        t = _time(costs, f_pass + prefix_pass + (n_rest - m), len(forced) + m, max(f_depth, depth), overlap, host)
-        t += f_catch + catch
+        num_spec, d = len(forced) + m, max(f_depth, depth)
+        t = _time(costs, f_pass + prefix_pass + (n_rest - m), num_spec, d, overlap, host) * factor(d if num_spec else 0)
+        t += emit + f_catch + catch
         return tokens / t if t > 0 else 0.0
 
     plain = goodput(0, 0.0, 0, 0, 0.0) if b else 0.0
     best, best_m, best_k = plain, 0, 0
     max_cap = max((candidates[i].cap for i in adaptive), default=0)
     for k in range(1, max_cap + 1):
+        if only_depth is not None and k != only_depth:
+            continue
         e_sum, pass_sum, depth, catch = 0.0, 0, 0, 0.0
         for m, i in enumerate(adaptive, start=1):
             ki = min(k, candidates[i].cap)
@@ -127,7 +152,11 @@ def plan_step(
         best_m, best_k, explored = len(adaptive), explore_k, True
     for i in adaptive[:best_m]:
         ks[i] = min(best_k, candidates[i].cap)
-    return StepPlan(ks, best, plain, explored)
+    spec = [i for i in range(b) if ks[i] > 0]
+    depth = max((ks[i] for i in spec), default=0)
+    step_s = _time(costs, sum(ks[i] for i in spec) + b, len(spec), depth, overlap, host) if b else 0.0
+    return StepPlan(ks, best, plain, explored, depth=depth, step_s=step_s,
+                    catch_up_s=sum(candidates[i].catch_up_s for i in spec))
 
 
 class StepExplorer:

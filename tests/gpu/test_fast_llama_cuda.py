@@ -52,3 +52,27 @@ def test_triton_int8_gemv_equals_the_dequantised_matmul(m: int, n: int, k: int) 
     got = int8_gemv(x, qw.q, qw.scale).float()
     assert got.shape == (m, n)
     assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()  # bf16 rounding of the output
+
+
+@pytest.mark.parametrize("P", [20, 32])  # padded to a 32-bucket, and a prompt that fills its bucket
+def test_graphed_prefill_equals_eager_prefill(P: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.fast_llama import FastLlama
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    eager, graphed = FastLlama(model, max_len=128), FastLlama(model, max_len=128)
+    for first in (True, False):  # the first call captures the bucket's graph, the second replays it
+        prompt = torch.randint(0, 512, (1, P), device="cuda")
+        want = eager.prefill(prompt, torch.arange(P, device="cuda").view(1, -1))[:, -1]  # [1, vocab]
+        got = graphed.prefill_last(prompt)
+        assert got.shape == want.shape and list(graphed._prefill_graphs) == [32]
+        # a padded prompt is a taller GEMM (cuBLAS may pick another kernel): bf16 rounding apart
+        tol = dict(atol=0, rtol=0) if P == 32 else dict(atol=0.1, rtol=0.05)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        # the K/V the decode steps will read: positions 0..P-1 (pads only wrote past P)
+        torch.testing.assert_close(graphed.k_cache[:, 0, :P].float(), eager.k_cache[:, 0, :P].float(), **tol)
+        torch.testing.assert_close(graphed.v_cache[:, 0, :P].float(), eager.v_cache[:, 0, :P].float(), **tol)

@@ -145,7 +145,10 @@ def test_spec_decode_router_latency_and_load_metrics(app: AppProcess) -> None:
 
     deadline = time.monotonic() + SCRAPE_DEADLINE_S
     got, samples = current()
+    # every series the assertions below read must have caught up: Ray exports each metric on its own
     while (got != want or total(samples, m.TTFT.series("count")) < n
+           or total(samples, m.ROUTER_DECISIONS.exported) < n
+           or total(samples, m.TPOT.series("count")) < sum(u["completion_tokens"] > 1 for u in usages)
            or _gauge(samples, m.RUNNING_SEQUENCES) != 0) and time.monotonic() < deadline:
         time.sleep(1.0)
         got, samples = current()

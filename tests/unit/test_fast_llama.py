@@ -54,6 +54,21 @@ def test_prefill_decode_and_verify_match_hf(hf_model: LlamaForCausalLM, attentio
     torch.testing.assert_close(_run(fast, ids[34:40], 34), ref[34:40], atol=TOL, rtol=TOL)  # verify, 6 wide
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_last_only_gives_the_last_rows_logits_and_the_same_cache(hf_model: LlamaForCausalLM, weights: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 97, (24,), generator=g).tolist()
+    full, last = FastLlama(hf_model, max_len=64, weights=weights), FastLlama(hf_model, max_len=64, weights=weights)
+    _run(full, ids[:20], 0), _run(last, ids[:20], 0)
+    pair, pos = torch.tensor([ids[20:22]]), torch.tensor([[20, 21]])  # a draft's 2-token step
+    want = full.forward(pair, pos)  # [1, 2, vocab]
+    got = last.forward(pair, pos, last_only=True)  # [1, 1, vocab]
+    assert got.shape == (1, 1, 97)
+    torch.testing.assert_close(got, want[:, -1:], atol=TOL, rtol=TOL)
+    # both wrote K/V for both positions: the next step agrees
+    torch.testing.assert_close(_run(last, ids[22:24], 22), _run(full, ids[22:24], 22), atol=TOL, rtol=TOL)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "grouped"])
 def test_rollback_rewrites_positions_as_a_fresh_prefill(hf_model: LlamaForCausalLM, attention: str) -> None:
     g = torch.Generator().manual_seed(2)

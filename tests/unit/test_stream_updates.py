@@ -1,0 +1,70 @@
+"""stream_updates: the per-request consumer of the engine loop's queue. A cancelled request
+must stop consuming even when its cancellation lands in the same event-loop turn as an update
+(asyncio.wait_for on Python 3.11 returns the update instead, and the request then keeps
+generating to max_tokens on the replica: the leak the cancellation serve test caught)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.engine import SeqUpdate
+from app.engine_loop import stream_updates
+
+
+def update(token: int, finish: str | None = None) -> SeqUpdate:
+    return SeqUpdate(seq_id="s", token_ids=[token], text=str(token), finish_reason=finish)
+
+
+async def consume(queue: asyncio.Queue, got: list[int], timeout_s: float = 30.0) -> None:
+    async for u in stream_updates(queue, timeout_s):
+        got.extend(u.token_ids)
+
+
+def test_cancel_in_the_same_turn_as_an_update_is_not_lost() -> None:
+    async def run() -> tuple[bool, list[int]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        got: list[int] = []
+        task = asyncio.create_task(consume(queue, got))
+        queue.put_nowait(update(1))
+        await asyncio.sleep(0.01)  # the consumer took token 1 and waits for the next
+        queue.put_nowait(update(2))  # wakes the waiting get() ...
+        task.cancel()  # ... and the client goes away in the same turn
+        done, _ = await asyncio.wait([task], timeout=2.0)
+        return bool(done) and task.cancelled(), got
+
+    cancelled, got = asyncio.run(run())
+    assert cancelled, f"the consumer swallowed its cancellation and kept waiting (got {got})"
+    assert got[0] == 1
+
+
+def test_updates_stream_until_finish() -> None:
+    async def run() -> list[int]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for t, fin in ((1, None), (2, None), (3, "length")):
+            queue.put_nowait(update(t, fin))
+        queue.put_nowait(update(99))  # never read: the stream ended at the finish
+        got: list[int] = []
+        await consume(queue, got)
+        return got
+
+    assert asyncio.run(run()) == [1, 2, 3]
+
+
+def test_deadline_raises_timeout_error_with_the_budget() -> None:
+    async def run() -> None:
+        await consume(asyncio.Queue(), [], timeout_s=0.05)
+
+    with pytest.raises(TimeoutError, match="deadline"):
+        asyncio.run(run())
+
+
+def test_engine_error_is_raised_to_the_consumer() -> None:
+    async def run() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(RuntimeError("engine step failed"))
+        await consume(queue, [])
+
+    with pytest.raises(RuntimeError, match="engine step failed"):
+        asyncio.run(run())
