@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:  # app.proposers imports app.config, which imports this package
     from app.proposers.base import FirstPass
 
-# Token counts where the curves keep a point: powers of two plus midpoints, so the knee region is
-# resolved to within ~1.5x in tokens while the table stays ~30 entries.
+# Token counts where CostCurve.points() reports the curve between measurements (logs, the router's
+# policy_state): powers of two plus midpoints.
 DEFAULT_GRID: tuple[int, ...] = tuple(
     sorted({1, 2, 3} | {2**e for e in range(2, 15)} | {3 * 2**e for e in range(1, 14)})
 )
@@ -72,106 +72,100 @@ class _Ema:
 class CostCurve:
     """Seconds of one forward pass as a function of tokens in the pass.
 
-    A fixed grid of token counts holds values; queries interpolate linearly between grid points
-    and extrapolate linearly past the last one. An observation between two grid points updates
-    both in proportion to their interpolation weights (normalised LMS), so the curve reproduces
-    the measurement at that token count without snapping it to a grid point.
-    Grid points never measured follow the default shape scaled by the measured/default ratio of
-    their measured neighbours: one measurement at batch 1 that is 3x the prior rescales the whole
-    curve instead of leaving a cliff between measured and unmeasured points. Past the widest
-    measured point, where the measurements already climb faster than the prior's shape (on a CPU
-    the time grows from the first token; the prior is flat up to its knee), the measured slope is
-    continued instead, so a wider pass never looks as cheap as the widest one measured.
+    Each measurement is kept where it was taken: one decaying average per token count (exact up
+    to EXACT_TOKENS, then one per ~3% bucket). A query reads a weighted isotonic fit of those
+    averages — a pass over more tokens never takes less time; noisy measurements that say
+    otherwise would make verify look cheaper than decode and bias the policy toward speculating —
+    and interpolates linearly between measured counts.
+    Outside the measured range the default shape is scaled by the measured/default ratio of the
+    nearest measurement: one measurement at batch 1 that is 3x the prior rescales the whole curve.
+    Past the widest measured pass, where the measurements may already climb faster than the
+    prior's shape (on a CPU the time grows from the first token; the prior is flat up to its
+    knee), the measured slope is continued when that is higher, so a wider pass never looks as
+    cheap as the widest one measured.
+
+    Why not values on a fixed grid updated by interpolation weights (normalised LMS, this class
+    before 2026-11-27): an observation between two grid points moves both, and with observations
+    crowded near one end the far end absorbs errors it was never measured at. Fed step times all
+    at or above an emulated accelerator's curve, one in ten simulated runs ended with a grid point
+    15-60% below every measurement near it (32 tokens at 0.15 s, where every pass took >= 0.29 s),
+    and the router then saw speculating at the full batch as free (tests/serve/test_policy_flip.py
+    failed in CI that way; tests/unit/test_policy_cost_model.py replays such runs).
     """
 
+    EXACT_TOKENS = 128  # token counts kept exactly up to here; wider passes share ~3% buckets
+    BUCKETS_PER_OCTAVE = 24
+
     def __init__(self, base_s: float, knee_tokens: float, decay: float = 0.1, grid: Sequence[int] = DEFAULT_GRID) -> None:
-        self._grid = tuple(grid)
-        self._log_grid = [math.log(g) for g in self._grid]
-        self._default = [base_s * max(1.0, g / knee_tokens) for g in self._grid]
-        self._value = list(self._default)
-        self._weight = [0.0] * len(self._grid)  # how much measurement each point has absorbed
-        self._decay = decay
-        self._filled: list[float] | None = None
-        self._monotone: list[float] | None = None
+        self._base, self._knee, self._decay = base_s, knee_tokens, decay
+        self._grid = tuple(grid)  # where points() reports the curve between measurements
+        self._measured: dict[int, _Ema] = {}  # token count (bucket) -> its decaying mean seconds
+        self._fit: tuple[list[float], list[float]] | None = None  # (tokens, monotone seconds), ascending
 
-    def _fill(self) -> list[float]:
-        """Measured points as they are, unmeasured ones from the shape and their neighbours' ratio."""
-        if self._filled is not None:
-            return self._filled
-        seen = [i for i, w in enumerate(self._weight) if w > 0]
-        out = []
-        for i, d in enumerate(self._default):
-            if self._weight[i] > 0:
-                out.append(self._value[i])
-                continue
-            j = bisect.bisect_left(seen, i)
-            left, right = (seen[j - 1] if j > 0 else None), (seen[j] if j < len(seen) else None)
-            ratio = 1.0
-            if left is not None and right is not None:
-                r_l, r_r = self._value[left] / self._default[left], self._value[right] / self._default[right]
-                f = (self._log_grid[i] - self._log_grid[left]) / (self._log_grid[right] - self._log_grid[left])
-                ratio = r_l + f * (r_r - r_l)
-            elif left is not None or right is not None:
-                n = left if left is not None else right
-                ratio = self._value[n] / self._default[n]
-            out.append(d * ratio)
-        if len(seen) >= 2:
-            # Past the widest measured pass the prior's shape alone would keep a flat stretch (below
-            # its knee) even where the measurements already climb, so wider passes (verify at high
-            # load) would look as cheap as the widest one measured. Continue the measured slope
-            # instead — from the widest point back to one with at most half its tokens, a baseline
-            # wide enough not to amplify noise — whenever that is the higher estimate.
-            last = seen[-1]
-            base = next((j for j in reversed(seen[:-1]) if self._grid[j] <= self._grid[last] / 2), seen[0])
-            slope = max(0.0, (self._value[last] - self._value[base]) / (self._grid[last] - self._grid[base]))
-            for i in range(last + 1, len(out)):
-                out[i] = max(out[i], self._value[last] + slope * (self._grid[i] - self._grid[last]))
-        self._filled = out
-        return out
+    def _default(self, tokens: float) -> float:
+        return self._base * max(1.0, tokens / self._knee)
 
-    def _bracket(self, tokens: float) -> tuple[int, int, float]:
-        """Indices (i0, i1) around `tokens` and the weight of i1; clamps below the first point."""
-        n = max(float(tokens), float(self._grid[0]))
-        i1 = bisect.bisect_left(self._grid, n)
-        if i1 == 0:
-            return 0, 0, 0.0
-        if i1 >= len(self._grid):  # past the table: extrapolate along the last segment
-            i1 = len(self._grid) - 1
-        i0 = i1 - 1
-        return i0, i1, (n - self._grid[i0]) / (self._grid[i1] - self._grid[i0])
+    @classmethod
+    def _bucket(cls, tokens: float) -> int:
+        n = max(1, round(tokens))
+        if n <= cls.EXACT_TOKENS:
+            return n
+        step = round(math.log2(n) * cls.BUCKETS_PER_OCTAVE)
+        return round(2 ** (step / cls.BUCKETS_PER_OCTAVE))
+
+    def _fitted(self) -> tuple[list[float], list[float]]:
+        """Weighted pool-adjacent-violators over the measured means, ascending in tokens. A bucket
+        weighs as many samples as its average holds (at most 1/decay, the EMA's memory)."""
+        if self._fit is None:
+            blocks: list[list[float]] = []  # [mean seconds, weight, points pooled]
+            keys = sorted(self._measured)
+            for key in keys:
+                ema = self._measured[key]
+                blocks.append([ema.value, float(min(ema.count, 1.0 / self._decay)), 1])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    (v1, w1, n1), (v2, w2, n2) = blocks.pop(-2), blocks.pop()
+                    blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+            values = [v for v, _, n in blocks for _ in range(int(n))]
+            self._fit = ([float(k) for k in keys], values)
+        return self._fit
 
     def __call__(self, tokens: float) -> float:
-        if self._monotone is None:
-            # A pass over more tokens never takes less time; noisy measurements that say otherwise
-            # would make verify look cheaper than decode and bias the policy toward speculating.
-            self._monotone, top = [], 0.0
-            for v in self._fill():
-                top = max(top, v)
-                self._monotone.append(top)
-        i0, i1, w = self._bracket(tokens)
-        v = self._monotone
-        return max(v[i0] + w * (v[i1] - v[i0]), 0.0)
+        n = max(float(tokens), 1.0)
+        ts, vs = self._fitted()
+        if not ts:
+            return self._default(n)
+        if n <= ts[0]:
+            return min(vs[0], self._default(n) * vs[0] / self._default(ts[0]))
+        if n >= ts[-1]:
+            scaled = self._default(n) * vs[-1] / self._default(ts[-1])
+            if len(ts) < 2:
+                return scaled
+            # continue the measured slope, from the widest point back to one with at most half its
+            # tokens: a baseline wide enough not to amplify noise
+            j = next((i for i in range(len(ts) - 2, -1, -1) if ts[i] <= ts[-1] / 2), 0)
+            slope = (vs[-1] - vs[j]) / (ts[-1] - ts[j])  # >= 0: the fit is monotone
+            return max(scaled, vs[-1] + slope * (n - ts[-1]))
+        i = bisect.bisect_right(ts, n)  # ts[i-1] <= n < ts[i]
+        w = (n - ts[i - 1]) / (ts[i] - ts[i - 1])
+        return vs[i - 1] + w * (vs[i] - vs[i - 1])
 
     def observe(self, tokens: float, seconds: float) -> None:
         if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        i0, i1, w = self._bracket(tokens)
-        filled = self._fill()
-        phi = {i0: 1.0 - w, i1: w} if i0 != i1 else {i0: 1.0}
-        phi = {i: p for i, p in phi.items() if p > 0}
-        pred = sum(p * filled[i] for i, p in phi.items())
-        norm = sum(p * p for p in phi.values())
-        seen = sum(p * self._weight[i] for i, p in phi.items())
-        step = max(self._decay, 1.0 / (1.0 + seen))  # first measurement here replaces the prior
-        err = seconds - pred
-        for i, p in phi.items():
-            self._value[i] = max(filled[i] + step * p * err / norm, 1e-9)
-            self._weight[i] += p
-        self._filled = self._monotone = None
+        key = self._bucket(tokens)
+        ema = self._measured.get(key)
+        if ema is None:
+            ema = self._measured[key] = _Ema(seconds, self._decay)
+        ema.observe(seconds)  # the first observation replaces the prior (step 1/1)
+        self._fit = None
 
     def points(self) -> list[tuple[int, float, bool]]:
-        """(tokens, seconds, measured?) per grid point, for logs and metrics."""
-        return [(g, v, w > 0) for g, v, w in zip(self._grid, self._fill(), self._weight)]
+        """(tokens, seconds, measured?): every measured count plus the grid between, for logs."""
+        ts, vs = self._fitted()
+        measured = {int(t): v for t, v in zip(ts, vs)}
+        out = [(t, v, True) for t, v in measured.items()]
+        out += [(g, self(g), False) for g in self._grid if g not in measured]
+        return sorted(out)
 
 
 class StepCostsConfig(BaseModel):

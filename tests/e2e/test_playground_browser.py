@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -158,12 +159,18 @@ def _fig(run, name: str) -> str:
 
 
 # The page's formatting, in Python: what it must display for a given usage.speculation.
+def _to_fixed(x: float, digits: int) -> str:
+    """JavaScript's Number.prototype.toFixed: the double's exact value, ties away from zero.
+    Python's format rounds ties to even (f"{7.125:.2f}" is '7.12'; the page shows '7.13')."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
 def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{100 * x:.1f}%"
+    return "—" if x is None else _to_fixed(100 * x, 1) + "%"
 
 
 def _num2(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
+    return "—" if x is None else _to_fixed(x, 2)
 
 
 def _check_run_matches_usage(run) -> dict[str, Any]:

@@ -23,8 +23,12 @@ real application: the real models, draft replica, hop, engine, routing stats and
    They are adaptive ('auto'): at this batch the target's step planner keeps them plain, except
    for an exploration step (one after 64 plain ones) that verifies a wide pass; once one at the
    full batch has been published, 6 more requests like the first are sent 1 s apart. Verifying
-   b·(k+1) tokens past the knee is expensive, and the router has measured it from that step:
-   most of these requests are decided off with reason high_load. Not all: the
+   b·(k+1) tokens past the knee is expensive, and the router knows it from the passes it has
+   measured past the knee (the exploration step's when the router reads that publication: it
+   reads the latest one when it routes a request; the ramp's and the probes' own) and, past the
+   widest, their slope continued: most of these requests are decided off with reason high_load.
+   (Before 2026-11-27 the router's cost curve could read far below its own measurements — a
+   grid see-saw, see app/policy/cost_model.CostCurve — and one CI run decided 3 of 6 'on'.) Not all: the
    router reads published step times when it routes a request, so the first request after a
    lull may be decided on slightly older figures (it must have lowered k, though). (Exploration
    is not a router decision: the engine's step planner runs one shallow speculative step after
