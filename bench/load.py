@@ -84,6 +84,9 @@ class Cell:
     reasons: dict[str, int] = field(default_factory=dict)
     drafted_requests: int = 0  # requests that drafted at least one token (auto: the engine's plan)
     round: int = 0
+    drafted: int = 0  # draft tokens verified, over the requests inside the window
+    drafts: int = 0  # sequence-steps that drafted (vLLM's num_drafts): drafted / drafts = mean depth
+    steps: int = 0  # sequence-steps (one streamed event each): drafts / steps = share of steps that drafted
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -99,6 +102,7 @@ class Window:
         self.tokens = 0
         self.latencies: list[float] = []
         self.drafted = self.accepted = self.failed = self.speculated = self.drafted_requests = 0
+        self.drafts = self.steps = 0
         self.reasons: Counter[str] = Counter()
 
     def inside(self, t: float) -> bool:
@@ -110,6 +114,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
     t0 = time.monotonic()
     usage = None
     done = False
+    events = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             await r.aread()
@@ -131,6 +136,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
             if data.get("usage"):
                 usage = data["usage"]
                 continue
+            events += 1
             if w.inside(time.monotonic()):
                 # one event per engine step; return_provenance lists its tokens (exact count)
                 w.tokens += len((data.get("specserve") or {}).get("tokens", ()))
@@ -140,6 +146,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
         spec = usage.get("speculation") or {}
         w.drafted += spec.get("drafted_tokens", 0)
         w.accepted += spec.get("accepted_tokens", 0)
+        w.drafts += spec.get("num_drafts", 0)
+        w.steps += events
         w.speculated += spec.get("mode") == "speculative"
         w.drafted_requests += spec.get("drafted_tokens", 0) > 0
         w.reasons[spec.get("reason", "?")] += 1
@@ -180,6 +188,7 @@ async def run_cell(url: str, policy: str, c: int, warmup_s: float, duration_s: f
         latency_p50_s=_r(percentile(w.latencies, 50)), latency_p99_s=_r(percentile(w.latencies, 99)),
         acceptance_rate=round(w.accepted / w.drafted, 3) if w.drafted else None,
         speculated=w.speculated, reasons=dict(w.reasons), drafted_requests=w.drafted_requests, round=round_,
+        drafted=w.drafted, drafts=w.drafts, steps=w.steps,
     )
 
 
@@ -212,6 +221,9 @@ def summarize(cells: list[Cell], levels: list[int]) -> dict[tuple[int, str], dic
                 "goodput_median": round(median(g), 2), "goodput_min": min(g), "goodput_max": max(g),
                 "rounds": len(xs), "requests": total, "speculated": sum(x.speculated for x in xs),
                 "drafted_requests": sum(x.drafted_requests for x in xs),
+                # how the engine drafted: mean depth of the sequence-steps that drafted, and their share
+                "mean_depth": _r(sum(x.drafted for x in xs) / d) if (d := sum(x.drafts for x in xs)) else None,
+                "drafting_share": _r(d / st) if (st := sum(x.steps for x in xs)) else None,
                 "latency_p50_s": _r(median([x.latency_p50_s for x in xs if x.latency_p50_s is not None] or [0.0])),
                 "latency_p99_s": _r(median([x.latency_p99_s for x in xs if x.latency_p99_s is not None] or [0.0])),
             }
@@ -275,8 +287,8 @@ def plot(cells: list[Cell], levels: list[int], path: Path, title: str) -> None:
 
 async def sweep(url: str, levels: list[int], args: argparse.Namespace) -> list[Cell]:
     cells: list[Cell] = []
-    print(f"{'conc':>5} {'policy':<6}{'goodput':>9}{'p50 s':>8}{'p99 s':>8}{'accept':>8}{'done':>6}{'draft':>6}  reasons",
-          flush=True)
+    print(f"{'conc':>5} {'policy':<6}{'goodput':>9}{'p50 s':>8}{'p99 s':>8}{'accept':>8}{'done':>6}{'draft':>6}"
+          f"{'depth':>6}{'share':>6}  reasons", flush=True)
     for li, c in enumerate(levels):
         for r in range(args.rounds):
             shift = (li + r) % 3
@@ -287,8 +299,11 @@ async def sweep(url: str, levels: list[int], args: argparse.Namespace) -> list[C
                 p50 = f"{cell.latency_p50_s:.2f}" if cell.latency_p50_s is not None else "-"
                 p99 = f"{cell.latency_p99_s:.2f}" if cell.latency_p99_s is not None else "-"
                 reasons = ",".join(f"{k}:{v}" for k, v in sorted(cell.reasons.items())) if policy == "auto" else ""
+                # depth: mean drafts per drafting sequence-step; share: of sequence-steps that drafted
+                depth = f"{cell.drafted / cell.drafts:.2f}" if cell.drafts else "-"
+                share = f"{cell.drafts / cell.steps:.2f}" if cell.steps else "-"
                 print(f"{c:>5} {policy:<6}{cell.goodput_tok_s:>9.1f}{p50:>8}{p99:>8}{acc:>8}{cell.completed:>6}"
-                      f"{cell.drafted_requests:>6}  {reasons}", flush=True)
+                      f"{cell.drafted_requests:>6}{depth:>6}{share:>6}  {reasons}", flush=True)
                 await wait_idle(url)
     return cells
 
@@ -339,10 +354,12 @@ def main() -> None:
             app_ctx.__exit__(None, None, None)
     load_after = os.getloadavg()
     v = verdict(cells, levels)
-    print(f"{'conc':>5}{'on':>9}{'off':>9}{'auto':>9}{'auto/best':>10}  auto mostly / better fixed")
+    print(f"{'conc':>5}{'on':>9}{'off':>9}{'auto':>9}{'auto/best':>10}  auto mostly / better fixed; auto's depth, share")
+    summary = summarize(cells, levels)
     for r in v["levels"]:
+        a_sum = summary[(r["concurrency"], "auto")]
         print(f"{r['concurrency']:>5}{r['on']:>9.1f}{r['off']:>9.1f}{r['auto']:>9.1f}{r['auto_over_best_fixed']:>10.3f}"
-              f"  {r['auto_mostly']} / {r['better_fixed']}")
+              f"  {r['auto_mostly']} / {r['better_fixed']}; {a_sum['mean_depth']}, {a_sum['drafting_share']}")
     print("auto / best fixed policy:", " ".join(f"c={r['concurrency']}:{r['auto_over_best_fixed']}" for r in v["levels"]))
     print("auto mostly / better fixed:", " ".join(f"c={r['concurrency']}:{r['auto_mostly']}/{r['better_fixed']}"
                                                    for r in v["levels"]))
@@ -366,6 +383,7 @@ def main() -> None:
                    "duration_s": args.duration, "warmup_s": args.warmup, "rounds": args.rounds, "max_tokens": args.max_tokens,
                    "ignore_eos": True, "temperature": 0, "prompts": "code", "pair": "configs/local.yaml embedded"},
         "cells": [asdict(c) for c in cells],
+        "summary": {f"{c}/{p}": row for (c, p), row in summary.items()},
         "verdict": v,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
