@@ -237,7 +237,7 @@ class SpecEngine:
         logits = self.runner.forward([s.kv for s in batch], inputs)  # each [1 + k_i, vocab]
         times.target = time.perf_counter() - t0
         times.batch_size = len(batch)
-        times.tokens_in_pass = sum(len(x) for x in inputs)
+        times.tokens_in_pass = self.runner.last_padded_tokens  # rows x longest input: what the pass computed
         updates = []
         for seq, rows in zip(batch, logits):
             proposal = proposals.get(seq.seq_id, Proposal([]))

@@ -44,14 +44,19 @@ class ModelRunner:
         self.max_context: int = spec.max_context or config.max_position_embeddings
         self.pad_id: int = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids: frozenset[int] = _eos_ids(self.tokenizer, self.model)
+        self.last_padded_tokens = 0  # tokens the last forward computed, padding included
         log.info("loaded %s (%s, %s) in %.1fs", path, spec.dtype, spec.device, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def forward(self, caches: list[SequenceKV], inputs: list[list[int]]) -> list[torch.Tensor]:
+    def forward(self, caches: list[SequenceKV], inputs: list[list[int]], max_padding: int | None = None) -> list[torch.Tensor]:
         """Feed `inputs[i]` to sequence i, append to `caches[i]`; return float32 logits `[n_i, vocab]`.
 
-        Rows without a cache (fresh prefills) run one by one unless every row is fresh with
-        equal length: their padded queries could attend to nothing (see kv_cache.pack).
+        Rows are padded to the longest input of their pass (kv_cache.pack), so a pass costs
+        rows x longest tokens: `last_padded_tokens` says how many it computed. Rows without a
+        cache (fresh prefills) run one by one unless every row is fresh with equal length: their
+        padded queries could attend to nothing (see kv_cache.pack). `max_padding`: run the cached
+        rows in several passes, by input length, rather than pad more than this many tokens in one
+        (a draft's catch-up of 20 tokens in a batch of 32 one-token rows would otherwise pad it 20x).
         """
         for cache, toks in zip(caches, inputs):
             if cache.length + len(toks) > self.max_context:
@@ -61,9 +66,11 @@ class ModelRunner:
         groups: list[list[int]] = [[i] for i in fresh]
         rest = [i for i in range(len(caches)) if caches[i].length > 0]
         if rest:
-            groups.append(rest)
+            groups += length_groups(rest, [len(inputs[i]) for i in rest], max_padding)
+        self.last_padded_tokens = 0
         for group in groups:
             logits = self._forward_packed([caches[i] for i in group], [inputs[i] for i in group])
+            self.last_padded_tokens += len(group) * max(len(inputs[i]) for i in group)
             for i, row in zip(group, logits):
                 out[i] = row
         return out  # type: ignore[return-value]
@@ -80,6 +87,25 @@ class ModelRunner:
         unpack(batch, result.past_key_values, caches, inputs)
         logits = result.logits.float()  # [batch, max_new, vocab]
         return [logits[i, batch.max_new - n :] for i, n in enumerate(batch.new_lengths)]
+
+
+def length_groups(rows: list[int], lengths: list[int], max_padding: int | None) -> list[list[int]]:
+    """Split `rows` (with input `lengths`) into passes, shortest inputs first, starting a new pass
+    where joining the next row would pad the pass by more than `max_padding` tokens. None: one pass.
+    Each extra pass costs a forward's fixed time (weights, dispatch), so only large padding is split."""
+    if max_padding is None or len(rows) < 2:
+        return [list(rows)]
+    order = sorted(range(len(rows)), key=lambda j: lengths[j])
+    groups: list[list[int]] = [[]]
+    total = 0  # input tokens of the current pass
+    for j in order:
+        group = groups[-1]
+        if group and (len(group) + 1) * lengths[j] - total - lengths[j] > max_padding:
+            groups.append([])
+            group, total = groups[-1], 0
+        group.append(rows[j])
+        total += lengths[j]
+    return groups
 
 
 class ContextOverflow(ValueError):

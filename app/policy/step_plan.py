@@ -9,13 +9,17 @@ below both fixed policies under load. So the engine asks, at every step, for the
 maximises the batch's goodput:
 
     tokens(S, k) = Σ_{s∈S} E(α_s, k_s) + (b − |S|)                       emitted this step
-    time(S, k)   = t_target(Σ_{s∈S}(k_s + 1) + (b − |S|))                 one target forward
+    time(S, k)   = t_target(b · (max_s k_s + 1))                             one target forward, padded
                  + [S ≠ ∅] · (max_s k_s · t_draft(|S|) + t_exchange)        the draft call, if any
                  + t_overhead + b · t_chunk                                host work of any step
 
                  + Σ_{s∈S} c_s · E(α_s, k_s) / R_s                                catch-ups, amortised
 
-(t_chunk: streaming one sequence's chunk, where the router shares the model's cores; c_s: the
+(The target pads every row of a pass to its longest input, so a plain row in a drafting step
+costs as much target time as a drafting one: measured on the embedded CPU target at batch 32,
+31 one-token rows and one 5-token row 103 ms, all 32 rows at 5 tokens 108 ms, all at 1 token 75
+ms. With a ragged pass (`padded=False`) the term is t_target(Σ_{s∈S}(k_s + 1) + (b − |S|)).
+t_chunk: streaming one sequence's chunk, where the router shares the model's cores; c_s: the
 draft prefill a sequence needs before it can draft again — its whole context when the draft never
 saw it, every token of the plain steps since it last drafted — paid once and then good for its
 remaining R_s tokens, so a step is charged the share of it that its E tokens use up) over
@@ -90,6 +94,7 @@ def plan_step(
     overlap: bool = False,
     time_factors: Sequence[float] | None = None,
     only_depth: int | None = None,
+    padded: bool = True,
 ) -> StepPlan:
     """The goodput-maximising plan for one step (see the module doc).
 
@@ -100,6 +105,8 @@ def plan_step(
     this batch size (calibration.py); the model's step time of such a plan is scaled by it.
     `only_depth`: search the adaptive sequences' plans at this common depth only (plain included),
     for a calibration probe of a depth next to the usual one.
+    `padded`: the target pads every row of a pass to the longest (model_runner, kv_cache.pack), so a
+    pass of depth d costs b·(d + 1) tokens whichever rows draft; False: a ragged pass, Σ (k_s + 1).
     """
     b = len(candidates)
     ks = [0] * b
@@ -121,10 +128,14 @@ def plan_step(
     def factor(depth: int) -> float:
         return time_factors[depth] if time_factors is not None and depth < len(time_factors) else 1.0
 
+    def pass_tokens(ragged: int, depth: int) -> int:
+        return b * (depth + 1) if padded else ragged
+
     def goodput(m: int, prefix_e: float, prefix_pass: int, depth: int, catch: float) -> float:
         tokens = f_tokens + prefix_e + (n_rest - m)
         num_spec, d = len(forced) + m, max(f_depth, depth)
-        t = _time(costs, f_pass + prefix_pass + (n_rest - m), num_spec, d, overlap, host) * factor(d if num_spec else 0)
+        t = _time(costs, pass_tokens(f_pass + prefix_pass + (n_rest - m), d), num_spec, d, overlap, host)
+        t *= factor(d if num_spec else 0)
         t += emit + f_catch + catch
         return tokens / t if t > 0 else 0.0
 
@@ -154,7 +165,7 @@ def plan_step(
         ks[i] = min(best_k, candidates[i].cap)
     spec = [i for i in range(b) if ks[i] > 0]
     depth = max((ks[i] for i in spec), default=0)
-    step_s = _time(costs, sum(ks[i] for i in spec) + b, len(spec), depth, overlap, host) if b else 0.0
+    step_s = _time(costs, pass_tokens(sum(ks[i] for i in spec) + b, depth), len(spec), depth, overlap, host) if b else 0.0
     return StepPlan(ks, best, plain, explored, depth=depth, step_s=step_s,
                     catch_up_s=sum(candidates[i].catch_up_s for i in spec))
 

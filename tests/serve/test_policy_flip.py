@@ -102,10 +102,10 @@ class EmulatedAcceleratorTarget(TargetServer.func_or_class):  # type: ignore[nam
         self.overran: list[tuple[int, float, float]] = []  # (tokens, real s, emulated s)
         self.forwards = 0
 
-        def padded(caches, inputs):
+        def padded(caches, inputs, **kw):
             t0 = time.perf_counter()
-            out = forward(caches, inputs)
-            tokens = sum(len(x) for x in inputs)
+            out = forward(caches, inputs, **kw)
+            tokens = runner.last_padded_tokens  # rows x longest input, as an accelerator would pad
             emulated = max(BASE_S, PER_TOKEN_S * tokens)
             real = time.perf_counter() - t0
             self.forwards += 1

@@ -17,11 +17,12 @@ def _auto(alpha: float, n: int = 1, cap: int = 8) -> list[StepCandidate]:
     return [StepCandidate(cap, alpha, True) for _ in range(n)]
 
 
-def _goodput(cands: list[StepCandidate], ks: list[int], costs: StepCosts) -> float:
+def _goodput(cands: list[StepCandidate], ks: list[int], costs: StepCosts, padded: bool = True) -> float:
     """The module doc's formula, written out independently of the planner's search."""
     es = [expected_tokens_per_step(c.alpha, k) for c, k in zip(cands, ks)]
     tokens = sum(es)
-    t = costs.target(sum(k + 1 for k in ks)) + costs.t_overhead + len(ks) * costs.config.chunk_s
+    pass_tokens = len(ks) * (max(ks) + 1) if padded else sum(k + 1 for k in ks)
+    t = costs.target(pass_tokens) + costs.t_overhead + len(ks) * costs.config.chunk_s
     t += sum(c.catch_up_s * min(1.0, e / c.remaining) for c, k, e in zip(cands, ks, es) if k)
     spec = [k for k in ks if k]
     if spec:
@@ -51,12 +52,26 @@ def test_low_acceptance_does_not_pay_for_the_draft() -> None:
     assert plan_step(_auto(0.05, n=2), _costs(), margin=1.05).ks == [0, 0]
 
 
-def test_the_most_predictable_sequences_speculate_first() -> None:
+def test_the_most_predictable_sequences_speculate_first_in_a_ragged_pass() -> None:
     # 12 sequences near the knee: only the high-acceptance third is worth its extra pass tokens
     cands = _auto(0.95, 4) + _auto(0.1, 8)
     random.Random(0).shuffle(cands)
-    plan = plan_step(cands, _costs(knee_tokens=16, draft_ratio=0.1, exchange_s=0.0), margin=1.05)
+    plan = plan_step(cands, _costs(knee_tokens=16, draft_ratio=0.1, exchange_s=0.0), margin=1.05, padded=False)
     assert sorted(c.alpha for c, k in zip(cands, plan.ks) if k) == [0.95] * 4
+
+
+def test_a_padded_pass_drafts_the_whole_batch_or_none_of_it() -> None:
+    costs = _costs(knee_tokens=16, draft_ratio=0.1, exchange_s=0.0)
+    cands = _auto(0.95, 4) + _auto(0.1, 8)
+    random.Random(0).shuffle(cands)
+    # drafting only the predictable third would pad the other rows' plain decode to its depth:
+    # the ragged plan above is dearer than it looks, and plain beats it here
+    ragged = plan_step(cands, costs, margin=1.0, padded=False)
+    assert _goodput(cands, ragged.ks, costs) < _goodput(cands, [0] * 12, costs)
+    assert plan_step(cands, costs, margin=1.0).ks == [0] * 12
+    # on an idle replica (memory-bound pass) the rows that would sit in the padding draft too
+    idle = plan_step(_auto(0.95, 2) + _auto(0.3, 2), _costs(draft_ratio=0.1), margin=1.0)
+    assert all(idle.ks) and len(set(idle.ks)) == 1
 
 
 def test_forced_sequences_always_draft_and_make_the_draft_call_cheap_to_join() -> None:
@@ -95,19 +110,20 @@ def test_plan_is_the_optimum_over_every_subset_and_depth(seed: int) -> None:
     costs = _costs(target_step_s=0.02, knee_tokens=rng.choice([4, 16, 64]), exchange_s=rng.choice([0.0, 0.004, 0.02]),
                    overhead_s=rng.choice([0.0, 0.01]), chunk_s=rng.choice([0.0, 0.002]))
     cands = [StepCandidate(rng.randint(0, 5), rng.random(), rng.random() < 0.8) for _ in range(rng.randint(1, 6))]
-    plan = plan_step(cands, costs)
-    assert plan.goodput == pytest.approx(_goodput(cands, plan.ks, costs))
-    forced = [c.cap if not c.adaptive else 0 for c in cands]
-    adaptive = [i for i, c in enumerate(cands) if c.adaptive and c.cap > 0]
-    best = _goodput(cands, forced, costs)
-    for r in range(1, len(adaptive) + 1):
-        for subset in itertools.combinations(adaptive, r):
-            for k in range(1, 6):
-                ks = list(forced)
-                for i in subset:
-                    ks[i] = min(k, cands[i].cap)
-                best = max(best, _goodput(cands, ks, costs))
-    assert plan.goodput == pytest.approx(best)
+    for padded in (True, False):
+        plan = plan_step(cands, costs, padded=padded)
+        assert plan.goodput == pytest.approx(_goodput(cands, plan.ks, costs, padded))
+        forced = [c.cap if not c.adaptive else 0 for c in cands]
+        adaptive = [i for i, c in enumerate(cands) if c.adaptive and c.cap > 0]
+        best = _goodput(cands, forced, costs, padded)
+        for r in range(1, len(adaptive) + 1):
+            for subset in itertools.combinations(adaptive, r):
+                for k in range(1, 6):
+                    ks = list(forced)
+                    for i in subset:
+                        ks[i] = min(k, cands[i].cap)
+                    best = max(best, _goodput(cands, ks, costs, padded))
+        assert plan.goodput == pytest.approx(best), f"padded={padded}"
 
 
 def test_catch_up_is_charged_in_proportion_to_the_output_it_pays_for() -> None:
