@@ -147,6 +147,7 @@ class TargetServer:
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self._planned: tuple[StepPlan, int] | None = None  # this step's plan and batch size, set in _plan_k
         self._plans_seen, self._depths = 0, {}  # for a periodic log line of the plans' depths
+        self._last_candidates: list[StepCandidate] = []
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
 
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
@@ -164,6 +165,7 @@ class TargetServer:
         ]
         explore_k = self.explorer.explore_k() if self.explorer is not None else None
         plan = self.policy.plan_step(candidates, explore_k=explore_k)
+        self._last_candidates = candidates
         if self.explorer is not None:
             self.explorer.record(plan, candidates)
         self._planned = (plan, len(batch))  # its realized time is fed back in _on_step
@@ -177,9 +179,12 @@ class TargetServer:
             self.policy.observe_step(plan, batch, seconds - times.prefill)  # newcomers' prefill is not the plan's
             self._plans_seen += 1
             self._depths[plan.depth] = self._depths.get(plan.depth, 0) + 1
-            if self._plans_seen % 500 == 0 and self.policy.calibration is not None:
-                log.info("step plans by depth %s; step-time calibration %s", dict(sorted(self._depths.items())),
-                         self.policy.calibration.snapshot())
+            if self._plans_seen % 500 == 0:
+                # what the planner saw at this step: its predicted goodput at each common depth
+                cal = self.policy.calibration
+                log.info("step plans by depth %s; last plan %s%s", dict(sorted(self._depths.items())),
+                         self.policy.depth_report(self._last_candidates),
+                         f"; step-time calibration {cal.snapshot()}" if cal is not None else "")
                 self._depths.clear()
         drafted = sum(u.drafted for u in updates)
         accepted = sum(u.accepted for u in updates)

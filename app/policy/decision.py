@@ -258,6 +258,21 @@ class SpeculationPolicy:
                 return probed
         return plan
 
+    def depth_report(self, candidates: list[StepCandidate]) -> str:
+        """One log line: the batch, its acceptance estimates and the predicted goodput (tokens/s) of
+        drafting every adaptive sequence at each common depth, against plain."""
+        if not candidates:
+            return "(no batch)"
+        alphas = sorted(c.alpha for c in candidates)
+        parts = [f"b={len(candidates)} alpha min/median/max {alphas[0]:.2f}/{alphas[len(alphas) // 2]:.2f}/{alphas[-1]:.2f}"]
+        max_cap = max(c.cap for c in candidates)
+        plain = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap, only_depth=0).plain_goodput
+        parts.append(f"plain {plain:.0f}")
+        for k in range(1, max_cap + 1):
+            p = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap, only_depth=k)
+            parts.append(f"k{k} {p.goodput:.0f} ({sum(1 for x in p.ks if x)} drafting, {1e3 * p.step_s:.0f} ms)")
+        return ", ".join(parts)
+
     def observe_step(self, plan: StepPlan, batch: int, realized_s: float) -> None:
         """A planned step's wall time (its forwards, the draft call and host work; not newcomers'
         prefill): calibrates the planner's predicted time for plans of that depth and batch size.
