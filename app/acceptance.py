@@ -66,5 +66,19 @@ class AcceptanceStats:
             self.num_accepted_tokens + self.num_rejections + prior_weight
         )
 
+    def token_alpha_upper(self, prior: float, z: float, prior_weight: float = 8.0) -> float:
+        """`token_alpha` plus z standard deviations of its Beta posterior, capped at 1: an
+        optimistic estimate for deciding whether the sequence drafts at all.
+
+        Why: a sequence's estimate moves only when it drafts. Planned on the mean, one unlucky
+        first step (0 of 4 accepted: (0 + 8·0.8) / (1 + 8) = 0.71) can drop it below break-even,
+        after which it never drafts again and stays plain for its whole output, whatever its real
+        acceptance. The spread shrinks as the sequence's own judged tokens accumulate, so the
+        estimate converges to the mean for sequences that keep drafting.
+        """
+        n = self.num_accepted_tokens + self.num_rejections + prior_weight
+        mean = self.token_alpha(prior, prior_weight)
+        return min(1.0, mean + z * (mean * (1.0 - mean) / (n + 1.0)) ** 0.5)
+
     def per_position_rate(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]

@@ -154,10 +154,12 @@ class TargetServer:
     def _plan_k(self, batch, caps: list[int]) -> list[int]:
         replica_alpha = self.policy.acceptance.alpha("default")
         proposer, costs = self.engine.proposer, self.policy.costs
+        z = self.policy.config.acceptance_optimism
         candidates = [
-            # this sequence's own acceptance, shrunk towards its prompt class's (router) or the replica's
-            StepCandidate(cap, seq.stats.token_alpha(prior=seq.alpha_prior if seq.alpha_prior is not None
-                                                     else replica_alpha), seq.adaptive,
+            # this sequence's own acceptance, shrunk towards its prompt class's (router) or the
+            # replica's, optimistic by z standard deviations (token_alpha_upper says why)
+            StepCandidate(cap, seq.stats.token_alpha_upper(seq.alpha_prior if seq.alpha_prior is not None
+                                                           else replica_alpha, z), seq.adaptive,
                           catch_up_s=costs.t_draft_prefill(proposer.catch_up_tokens(seq.seq_id, seq.token_ids))
                           if proposer is not None and cap else 0.0,
                           remaining=seq.remaining)

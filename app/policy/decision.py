@@ -121,6 +121,10 @@ class PolicyConfig(_Strict):
     overlap: bool = Field(False, description="draft runs on its own device, overlapped with verify")
     stale_after_s: float = Field(10.0, gt=0)
     prior_alpha: float = Field(0.6, ge=0.0, le=1.0)
+    acceptance_optimism: float = Field(
+        1.0, ge=0.0,
+        description="standard deviations added to a sequence's own acceptance estimate when the step planner "
+                    "decides (app/acceptance.py token_alpha_upper): keeps an unlucky start from freezing it plain")
     acceptance_half_life_tokens: float = Field(512.0, gt=0)
     length_window: int = Field(256, ge=1)
     length_quantile: float = Field(0.9, gt=0.0, lt=1.0)

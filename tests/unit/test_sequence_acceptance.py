@@ -1,0 +1,54 @@
+"""A sequence's own acceptance estimate (app/acceptance.py) as the step planner reads it: the
+mean shrunk to its class prior, and the optimistic estimate that keeps an unlucky start from
+freezing the sequence plain."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.acceptance import AcceptanceStats
+from app.policy import StepCandidate, StepCosts, StepCostsConfig, plan_step
+
+
+def _stats(steps: list[tuple[int, int]]) -> AcceptanceStats:
+    st = AcceptanceStats()
+    for drafted, accepted in steps:
+        st.record(drafted, accepted)
+    return st
+
+
+def test_upper_estimate_is_the_mean_at_zero_optimism_and_never_above_one() -> None:
+    st = _stats([(4, 2), (4, 4)])
+    assert st.token_alpha_upper(0.8, 0.0) == pytest.approx(st.token_alpha(0.8))
+    assert st.token_alpha_upper(0.8, 1.0) > st.token_alpha(0.8)
+    assert _stats([(4, 4)] * 50).token_alpha_upper(0.99, 3.0) <= 1.0
+
+
+def test_upper_estimate_converges_to_the_mean_as_the_sequence_drafts() -> None:
+    rng = random.Random(0)
+    st, gaps = AcceptanceStats(), []
+    for _ in range(60):
+        accepted = next((i for i in range(4) if rng.random() > 0.6), 4)  # per-token acceptance 0.6
+        st.record(4, accepted)
+        gaps.append(st.token_alpha_upper(0.8, 1.0) - st.token_alpha(0.8))
+    assert gaps[-1] < 0.06 < gaps[0]
+    assert st.token_alpha_upper(0.8, 1.0) == pytest.approx(0.6, abs=0.1)
+
+
+def test_one_unlucky_first_step_does_not_freeze_a_sequence_plain() -> None:
+    # two sequences, the pass memory-bound: drafting pays from a per-token acceptance of ~0.73
+    costs = StepCosts(StepCostsConfig(target_step_s=0.01, knee_tokens=16, draft_ratio=0.3, exchange_s=0.01,
+                                      chunk_s=0.0013))
+    unlucky = _stats([(4, 0)])  # its first draft rejected at once; the class prior is 0.8
+    mean, upper = unlucky.token_alpha(0.8), unlucky.token_alpha_upper(0.8, 1.0)
+
+    def plan(alpha: float) -> list[int]:
+        return plan_step([StepCandidate(4, alpha, True, remaining=60)] * 2, costs, margin=1.05).ks
+
+    assert plan(mean) == [0, 0]  # on the mean it would never draft again (its estimate cannot move)
+    assert plan(upper) == [4, 4]
+    # a sequence that has shown a low acceptance over many steps stays plain under optimism too
+    poor = _stats([(4, 1), (4, 0), (4, 2), (4, 0)] * 8)
+    assert plan(poor.token_alpha_upper(0.8, 1.0)) == [0, 0]
