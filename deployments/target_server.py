@@ -155,16 +155,16 @@ class TargetServer:
         replica_alpha = self.policy.acceptance.alpha("default")
         proposer, costs = self.engine.proposer, self.policy.costs
         z = self.policy.config.acceptance_optimism
-        candidates = [
+        candidates = []
+        for seq, cap in zip(batch, caps):
             # this sequence's own acceptance, shrunk towards its prompt class's (router) or the
-            # replica's, optimistic by z standard deviations (token_alpha_upper says why)
-            StepCandidate(cap, seq.stats.token_alpha_upper(seq.alpha_prior if seq.alpha_prior is not None
-                                                           else replica_alpha, z), seq.adaptive,
-                          catch_up_s=costs.t_draft_prefill(proposer.catch_up_tokens(seq.seq_id, seq.token_ids))
-                          if proposer is not None and cap else 0.0,
-                          remaining=seq.remaining)
-            for seq, cap in zip(batch, caps)
-        ]
+            # replica's; optimistic by z standard deviations for whether it drafts (token_alpha_upper)
+            prior = seq.alpha_prior if seq.alpha_prior is not None else replica_alpha
+            candidates.append(StepCandidate(
+                cap, seq.stats.token_alpha(prior), seq.adaptive,
+                catch_up_s=costs.t_draft_prefill(proposer.catch_up_tokens(seq.seq_id, seq.token_ids))
+                if proposer is not None and cap else 0.0,
+                remaining=seq.remaining, alpha_upper=seq.stats.token_alpha_upper(prior, z)))
         explore_k = self.explorer.explore_k() if self.explorer is not None else None
         plan = self.policy.plan_step(candidates, explore_k=explore_k)
         self._last_candidates = candidates

@@ -23,7 +23,7 @@ from .decision import (
     SpeculationDecision,
     SpeculationPolicy,
 )
-from .step_plan import StepCandidate, StepExplorer, StepPlan, plan_step
+from .step_plan import StepCandidate, StepExplorer, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor, PromptClass, classify_prompt
 
 __all__ = [
@@ -48,5 +48,6 @@ __all__ = [
     "classify_prompt",
     "expected_tokens_per_step",
     "plan_step",
+    "plan_step_optimistic",
     "speedup",
 ]

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost_model import StepCosts, StepCostsConfig, best_k, best_spec_k, speedup
 from .calibration import StepTimeCalibration
-from .step_plan import StepCandidate, StepPlan, plan_step
+from .step_plan import StepCandidate, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor
 
 Reason = Literal[
@@ -124,7 +124,8 @@ class PolicyConfig(_Strict):
     acceptance_optimism: float = Field(
         1.0, ge=0.0,
         description="standard deviations added to a sequence's own acceptance estimate when the step planner "
-                    "decides (app/acceptance.py token_alpha_upper): keeps an unlucky start from freezing it plain")
+                    "decides whether it drafts (app/acceptance.py token_alpha_upper; its depth comes from the "
+                    "mean): keeps an unlucky start from freezing it plain")
     acceptance_half_life_tokens: float = Field(512.0, gt=0)
     length_window: int = Field(256, ge=1)
     length_quantile: float = Field(0.9, gt=0.0, lt=1.0)
@@ -252,8 +253,8 @@ class SpeculationPolicy:
         cal = self.calibration
         max_cap = max((c.cap for c in candidates), default=0)
         factors = cal.factors(len(candidates), max_cap) if cal is not None else None
-        plan = plan_step(candidates, self.costs, margin=self.config.margin, explore_k=explore_k,
-                         overlap=self.config.overlap, time_factors=factors)
+        plan = plan_step_optimistic(candidates, self.costs, margin=self.config.margin, explore_k=explore_k,
+                                    overlap=self.config.overlap, time_factors=factors)
         probe = cal.probe_depth(plan.depth, max_cap) if cal is not None and not plan.explored else None
         if probe is not None:  # measure another depth this step (calibration.py)
             probed = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap,

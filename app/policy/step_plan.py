@@ -46,7 +46,7 @@ paying the draft call for their whole life.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cost_model import StepCosts, expected_tokens_per_step
 
@@ -60,6 +60,7 @@ class StepCandidate:
     adaptive: bool  # True: 'auto', the plan picks 0..cap; False: forced on, speculates at cap
     catch_up_s: float = 0.0  # draft prefill (seconds) this sequence needs before it drafts again
     remaining: int = 1  # output tokens it may still produce (the catch-up is amortised over them)
+    alpha_upper: float | None = None  # optimistic acceptance: decides whether it drafts (see plan_step_optimistic)
 
     def catch_up_share(self, tokens: float) -> float:
         """Seconds of catch-up charged to a step that emits `tokens` for this sequence."""
@@ -168,6 +169,34 @@ def plan_step(
     step_s = _time(costs, pass_tokens(sum(ks[i] for i in spec) + b, depth), len(spec), depth, overlap, host) if b else 0.0
     return StepPlan(ks, best, plain, explored, depth=depth, step_s=step_s,
                     catch_up_s=sum(candidates[i].catch_up_s for i in spec))
+
+
+def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw) -> StepPlan:
+    """`plan_step` where *whether* each adaptive sequence drafts is decided on its optimistic
+    acceptance (`alpha_upper`) and *how deep* on its mean (`alpha`).
+
+    Optimism keeps a sequence whose estimate fell after one unlucky step drafting, so its
+    estimate can recover (app/acceptance.py token_alpha_upper). Choosing the depth on it as well
+    drafts too deep: measured at 1 stream (bench/RESULTS.md section 7, run N) the planner then
+    drafted 6.5 tokens per drafting step at acceptance 0.46 and fell below both fixed policies.
+    Keyword arguments go to `plan_step` (not `only_depth`).
+    """
+    upper = [replace(c, alpha=c.alpha_upper) if c.alpha_upper is not None else c for c in candidates]
+    plan = plan_step(upper, costs, **kw)
+    drafting = {i for i, (c, k) in enumerate(zip(candidates, plan.ks)) if k > 0 and c.adaptive}
+    if not drafting or plan.explored:
+        return plan  # all plain (its goodput does not depend on acceptance), or an exploration step
+    # the same sequences draft; their common depth is the one best on the mean acceptance
+    kw = {**kw, "margin": 1.0, "explore_k": None}
+    best: StepPlan | None = None
+    for k in range(1, max(candidates[i].cap for i in drafting) + 1):
+        fixed = [replace(c, cap=min(k, c.cap), adaptive=False) if i in drafting
+                 else (replace(c, cap=0) if c.adaptive else c) for i, c in enumerate(candidates)]
+        p = plan_step(fixed, costs, **kw)
+        if best is None or p.goodput > best.goodput:
+            best = p
+    assert best is not None
+    return replace(best, plain_goodput=plan.plain_goodput)
 
 
 class StepExplorer:

@@ -5,11 +5,12 @@ freezing the sequence plain."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from app.acceptance import AcceptanceStats
-from app.policy import StepCandidate, StepCosts, StepCostsConfig, plan_step
+from app.policy import StepCandidate, StepCosts, StepCostsConfig, plan_step, plan_step_optimistic
 
 
 def _stats(steps: list[tuple[int, int]]) -> AcceptanceStats:
@@ -52,3 +53,28 @@ def test_one_unlucky_first_step_does_not_freeze_a_sequence_plain() -> None:
     # a sequence that has shown a low acceptance over many steps stays plain under optimism too
     poor = _stats([(4, 1), (4, 0), (4, 2), (4, 0)] * 8)
     assert plan(poor.token_alpha_upper(0.8, 1.0)) == [0, 0]
+
+
+def _costs_break_even_073() -> StepCosts:
+    return StepCosts(StepCostsConfig(target_step_s=0.01, knee_tokens=16, draft_ratio=0.3, exchange_s=0.01,
+                                     chunk_s=0.0013))
+
+
+def test_optimism_decides_whether_and_the_mean_how_deep() -> None:
+    costs = _costs_break_even_073()
+    unlucky = _stats([(4, 0)])
+    cand = StepCandidate(8, unlucky.token_alpha(0.8), True, remaining=60,
+                         alpha_upper=unlucky.token_alpha_upper(0.8, 1.0))
+    plan = plan_step_optimistic([cand] * 2, costs, margin=1.05)
+    assert all(plan.ks)  # drafts although its mean is below break-even...
+    # ...at the depth that is best on the mean, not the (deeper) one best on the optimistic estimate
+    on_mean = {k: plan_step([replace(cand, cap=k, adaptive=False)] * 2, costs).goodput for k in range(1, 9)}
+    assert plan.ks[0] == max(on_mean, key=on_mean.get)
+    deep = plan_step([replace(cand, alpha=cand.alpha_upper)] * 2, costs, margin=1.05)
+    assert deep.ks[0] > plan.ks[0]
+    assert plan.goodput == pytest.approx(on_mean[plan.ks[0]])
+    # with no optimism the plan is plan_step's on the mean; a sequence proven poor stays plain
+    assert plan_step_optimistic([replace(cand, alpha_upper=None)] * 2, costs, margin=1.05).ks == [0, 0]
+    poor = _stats([(4, 1), (4, 0), (4, 2), (4, 0)] * 8)
+    poor_cand = replace(cand, alpha=poor.token_alpha(0.8), alpha_upper=poor.token_alpha_upper(0.8, 1.0))
+    assert plan_step_optimistic([poor_cand] * 2, costs, margin=1.05).ks == [0, 0]
