@@ -86,6 +86,17 @@ def _time(costs: StepCosts, pass_tokens: int, num_spec: int, depth: int, overlap
     return verify + (max(0.0, side - verify) if overlap else side) + host
 
 
+def _e_table(alpha: float, cap: int) -> list[float]:
+    """E(α, k) for k = 0..cap in one pass (expected_tokens_per_step's sum, cumulated)."""
+    a = min(max(alpha, 0.0), 1.0)
+    out, total, survive = [1.0], 1.0, 1.0
+    for _ in range(cap):
+        survive *= a
+        total += survive
+        out.append(total)
+    return out
+
+
 def plan_step(
     candidates: list[StepCandidate],
     costs: StepCosts,
@@ -96,6 +107,8 @@ def plan_step(
     time_factors: Sequence[float] | None = None,
     only_depth: int | None = None,
     padded: bool = True,
+    optimistic: bool = False,
+    draft_all: bool = False,
 ) -> StepPlan:
     """The goodput-maximising plan for one step (see the module doc).
 
@@ -108,15 +121,18 @@ def plan_step(
     for a calibration probe of a depth next to the usual one.
     `padded`: the target pads every row of a pass to the longest (model_runner, kv_cache.pack), so a
     pass of depth d costs b·(d + 1) tokens whichever rows draft; False: a ragged pass, Σ (k_s + 1).
+    `optimistic`: read each candidate's `alpha_upper` where it has one (plan_step_optimistic).
+    `draft_all`: every adaptive sequence drafts; only the common depth is chosen.
     """
     b = len(candidates)
     ks = [0] * b
+    alpha = [c.alpha_upper if optimistic and c.alpha_upper is not None else c.alpha for c in candidates]
     forced = [i for i, c in enumerate(candidates) if c.cap > 0 and not c.adaptive]
     adaptive = sorted((i for i, c in enumerate(candidates) if c.cap > 0 and c.adaptive),
-                      key=lambda i: (-candidates[i].alpha, candidates[i].catch_up_s))
+                      key=lambda i: (-alpha[i], candidates[i].catch_up_s))
     for i in forced:
         ks[i] = candidates[i].cap
-    f_es = [expected_tokens_per_step(candidates[i].alpha, ks[i]) for i in forced]
+    f_es = [expected_tokens_per_step(alpha[i], ks[i]) for i in forced]
     f_tokens = sum(f_es)
     f_catch = sum(candidates[i].catch_up_share(e) for i, e in zip(forced, f_es))
     f_pass = sum(ks[i] + 1 for i in forced)
@@ -125,6 +141,7 @@ def plan_step(
     # host time of any step: the engine's own (inside the step's wall time, so calibrated with it)
     # and the streamed chunks' (the router's and proxy's work, outside it: never calibrated)
     host, emit = costs.t_overhead, costs.t_emit(b)
+    times: dict[tuple[int, int, int], float] = {}  # the engine time of (pass tokens, drafting, depth)
 
     def factor(depth: int) -> float:
         return time_factors[depth] if time_factors is not None and depth < len(time_factors) else 1.0
@@ -135,29 +152,34 @@ def plan_step(
     def goodput(m: int, prefix_e: float, prefix_pass: int, depth: int, catch: float) -> float:
         tokens = f_tokens + prefix_e + (n_rest - m)
         num_spec, d = len(forced) + m, max(f_depth, depth)
-        t = _time(costs, pass_tokens(f_pass + prefix_pass + (n_rest - m), d), num_spec, d, overlap, host)
-        t *= factor(d if num_spec else 0)
+        key = (pass_tokens(f_pass + prefix_pass + (n_rest - m), d), num_spec, d)
+        t = times.get(key)
+        if t is None:  # padded passes repeat: one curve lookup per (tokens, drafting, depth)
+            t = times[key] = _time(costs, key[0], num_spec, d, overlap, host) * factor(d if num_spec else 0)
         t += emit + f_catch + catch
         return tokens / t if t > 0 else 0.0
 
     plain = goodput(0, 0.0, 0, 0, 0.0) if b else 0.0
-    best, best_m, best_k = plain, 0, 0
+    best, best_m, best_k = (float("-inf"), 0, 0) if draft_all and adaptive else (plain, 0, 0)
     max_cap = max((candidates[i].cap for i in adaptive), default=0)
+    tables = {i: _e_table(alpha[i], candidates[i].cap) for i in adaptive}
     for k in range(1, max_cap + 1):
         if only_depth is not None and k != only_depth:
             continue
         e_sum, pass_sum, depth, catch = 0.0, 0, 0, 0.0
         for m, i in enumerate(adaptive, start=1):
             ki = min(k, candidates[i].cap)
-            e = expected_tokens_per_step(candidates[i].alpha, ki)
+            e = tables[i][ki]
             e_sum += e
             catch += candidates[i].catch_up_share(e)
             pass_sum += ki + 1
             depth = max(depth, ki)
+            if draft_all and m < len(adaptive):
+                continue
             g = goodput(m, e_sum, pass_sum, depth, catch)
             if g > best + 1e-12:
                 best, best_m, best_k = g, m, k
-    if best_m and best < plain * margin:
+    if best_m and best < plain * margin and not draft_all:
         best, best_m, best_k = plain, 0, 0
     explored = False
     if best_m == 0 and explore_k and adaptive:
@@ -181,21 +203,13 @@ def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw
     drafted 6.5 tokens per drafting step at acceptance 0.46 and fell below both fixed policies.
     Keyword arguments go to `plan_step` (not `only_depth`).
     """
-    upper = [replace(c, alpha=c.alpha_upper) if c.alpha_upper is not None else c for c in candidates]
-    plan = plan_step(upper, costs, **kw)
+    plan = plan_step(candidates, costs, optimistic=True, **kw)
     drafting = {i for i, (c, k) in enumerate(zip(candidates, plan.ks)) if k > 0 and c.adaptive}
     if not drafting or plan.explored:
         return plan  # all plain (its goodput does not depend on acceptance), or an exploration step
     # the same sequences draft; their common depth is the one best on the mean acceptance
-    kw = {**kw, "margin": 1.0, "explore_k": None}
-    best: StepPlan | None = None
-    for k in range(1, max(candidates[i].cap for i in drafting) + 1):
-        fixed = [replace(c, cap=min(k, c.cap), adaptive=False) if i in drafting
-                 else (replace(c, cap=0) if c.adaptive else c) for i, c in enumerate(candidates)]
-        p = plan_step(fixed, costs, **kw)
-        if best is None or p.goodput > best.goodput:
-            best = p
-    assert best is not None
+    chosen = [c if i in drafting or not c.adaptive else replace(c, cap=0) for i, c in enumerate(candidates)]
+    best = plan_step(chosen, costs, **{**kw, "margin": 1.0, "explore_k": None}, draft_all=True)
     return replace(best, plain_goodput=plan.plain_goodput)
 
 
