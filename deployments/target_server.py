@@ -145,9 +145,8 @@ class TargetServer:
         self.explorer = StepExplorer(c.explore_every_steps, c.exploration_k) if c.explore_every_steps else None
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
-        self._planned: tuple[StepPlan, int] | None = None  # this step's plan and batch size, set in _plan_k
+        self._planned: tuple[StepPlan, list[StepCandidate]] | None = None  # this step's plan and batch, set in _plan_k
         self._plans_seen, self._depths = 0, {}  # for a periodic log line of the plans' depths
-        self._last_candidates: list[StepCandidate] = []
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
 
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
@@ -167,25 +166,24 @@ class TargetServer:
                 remaining=seq.remaining, alpha_upper=seq.stats.token_alpha_upper(prior, z)))
         explore_k = self.explorer.explore_k() if self.explorer is not None else None
         plan = self.policy.plan_step(candidates, explore_k=explore_k)
-        self._last_candidates = candidates
         if self.explorer is not None:
             self.explorer.record(plan, candidates)
-        self._planned = (plan, len(batch))  # its realized time is fed back in _on_step
+        self._planned = (plan, candidates)  # its realized time is fed back in _on_step
         return plan.ks
 
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         times = engine.last_times
         if self._planned is not None:
-            plan, batch = self._planned
+            plan, candidates = self._planned
             self._planned = None
-            self.policy.observe_step(plan, batch, seconds - times.prefill)  # newcomers' prefill is not the plan's
+            self.policy.observe_step(plan, len(candidates), seconds - times.prefill)  # newcomers' prefill is not the plan's
             self._plans_seen += 1
             self._depths[plan.depth] = self._depths.get(plan.depth, 0) + 1
             if self._plans_seen % 500 == 0:
                 # what the planner saw at this step: its predicted goodput at each common depth
                 cal = self.policy.calibration
                 log.info("step plans by depth %s; last plan %s%s", dict(sorted(self._depths.items())),
-                         self.policy.depth_report(self._last_candidates),
+                         self.policy.depth_report(candidates),
                          f"; step-time calibration {cal.snapshot()}" if cal is not None else "")
                 self._depths.clear()
         drafted = sum(u.drafted for u in updates)

@@ -13,6 +13,12 @@ from app.acceptance import AcceptanceStats
 from app.policy import StepCandidate, StepCosts, StepCostsConfig, plan_step, plan_step_optimistic
 
 
+def _costs_break_even_073() -> StepCosts:
+    """Two sequences, the pass memory-bound: drafting pays from a per-token acceptance of ~0.73."""
+    return StepCosts(StepCostsConfig(target_step_s=0.01, knee_tokens=16, draft_ratio=0.3, exchange_s=0.01,
+                                     chunk_s=0.0013))
+
+
 def _stats(steps: list[tuple[int, int]]) -> AcceptanceStats:
     st = AcceptanceStats()
     for drafted, accepted in steps:
@@ -39,9 +45,7 @@ def test_upper_estimate_converges_to_the_mean_as_the_sequence_drafts() -> None:
 
 
 def test_one_unlucky_first_step_does_not_freeze_a_sequence_plain() -> None:
-    # two sequences, the pass memory-bound: drafting pays from a per-token acceptance of ~0.73
-    costs = StepCosts(StepCostsConfig(target_step_s=0.01, knee_tokens=16, draft_ratio=0.3, exchange_s=0.01,
-                                      chunk_s=0.0013))
+    costs = _costs_break_even_073()
     unlucky = _stats([(4, 0)])  # its first draft rejected at once; the class prior is 0.8
     mean, upper = unlucky.token_alpha(0.8), unlucky.token_alpha_upper(0.8, 1.0)
 
@@ -53,11 +57,6 @@ def test_one_unlucky_first_step_does_not_freeze_a_sequence_plain() -> None:
     # a sequence that has shown a low acceptance over many steps stays plain under optimism too
     poor = _stats([(4, 1), (4, 0), (4, 2), (4, 0)] * 8)
     assert plan(poor.token_alpha_upper(0.8, 1.0)) == [0, 0]
-
-
-def _costs_break_even_073() -> StepCosts:
-    return StepCosts(StepCostsConfig(target_step_s=0.01, knee_tokens=16, draft_ratio=0.3, exchange_s=0.01,
-                                     chunk_s=0.0013))
 
 
 def test_optimism_decides_whether_and_the_mean_how_deep() -> None:
