@@ -16,9 +16,9 @@ maximises the batch's goodput:
                  + Σ_{s∈S} c_s · E(α_s, k_s) / R_s                                catch-ups, amortised
 
 (The target pads every row of a pass to its longest input, so a plain row in a drafting step
-costs as much target time as a drafting one: measured on the embedded CPU target at batch 32,
-31 one-token rows and one 5-token row 103 ms, all 32 rows at 5 tokens 108 ms, all at 1 token 75
-ms. With a ragged pass (`padded=False`) the term is t_target(Σ_{s∈S}(k_s + 1) + (b − |S|)).
+costs as much target time as a drafting one: measured on the embedded CPU target at batch 32
+(bench/pad_cost.py), 31 one-token rows and one 5-token row 99 ms, all 32 rows at 5 tokens 99 ms,
+all at 1 token 75 ms. With a ragged pass (`padded=False`) the term is t_target(Σ_{s∈S}(k_s + 1) + (b − |S|)).
 t_chunk: streaming one sequence's chunk, where the router shares the model's cores; c_s: the
 draft prefill a sequence needs before it can draft again — its whole context when the draft never
 saw it, every token of the plain steps since it last drafted — paid once and then good for its

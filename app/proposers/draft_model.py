@@ -20,8 +20,8 @@ from app.sampling import position_generator, processed_probs, sample
 
 
 # Padding one pass by more tokens than this costs more than a second pass: on the embedded CPU draft
-# a forward's fixed cost is ~2.5 ms and a padded token ~0.04 ms (batch 32, KV 120: one 20-token
-# catch-up padded into 31 two-token rows 31 ms, run apart 14 ms; two rows 4.0 ms padded, 5.5 apart).
+# a forward's fixed cost is ~2.5 ms and a padded token ~0.04 ms (bench/pad_cost.py, batch 32, KV 120:
+# one 20-token catch-up padded into 31 two-token rows 32 ms, run apart 16 ms; two rows 3.8 ms padded, 5.0 apart).
 CATCH_UP_MAX_PADDING = 64
 
 
