@@ -1,0 +1,138 @@
+"""What overlapped drafting can gain over sequential speculation, computed exactly from measured step costs.
+
+`app.fast_decode.speculative_generate`'s overlapped loop is a Markov chain over one number: how
+many drafted tokens are ready when a target pass starts. This module solves that chain exactly
+(its stationary distribution) instead of sampling it as `predicted_tokens_per_second` does, and
+asks what-if questions of the same chain that the implemented loop does not do:
+
+- `draft_free`: the draft's steps and the host cost nothing (the scheme's ceiling);
+- `restart_wait=m`: after a restart the target waits m draft steps and verifies them
+  (PEARL's "pre-verify") instead of running a zero-proposal pass;
+- `branch_hit=b`: after a rejection or a wrong bonus guess, with probability b the draft had
+  already drafted a branch from the right correction (its runner-up token), at no cost (tree
+  drafting's upper bound: every branch is free and deep enough).
+
+Usage: `python -m bench.overlap_bound [gpu-json]` with a `bench.gpu` result file (default: the
+session-8 int8 run); prints, per alpha, the best sequential one-graph pass, the implemented
+overlapped loop, its ceiling, the what-ifs, and the branch hit rate 1.3x over sequential needs.
+Pure Python; no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_RUN = Path(__file__).parent / "results" / "gpu-h200x2-int8-session8.json"
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured costs in ms: target pass by input width (1 = plain decode), one draft step, and
+    what a 2-token first draft step costs over a 1-token one (the one-graph sequential pass has it)."""
+    t_verify: dict[int, float]
+    t_draft: float
+    t_pair_extra: float = 0.0
+
+    @classmethod
+    def from_gpu_json(cls, path: Path, weights: str = "int8") -> StepCosts:
+        run = json.loads(path.read_text())
+        return cls(t_verify={int(w): t for w, t in run["t_verify_8b_ms"].items()},
+                   t_draft=run[f"t_draft_1b_ms_sequential_{weights}"],
+                   t_pair_extra=run[f"t_draft_pair_extra_ms_sequential_{weights}"])
+
+
+def accepted_distribution(alpha: float, p: int) -> list[float]:
+    """P(a accepted of p proposals), a = 0..p: each accepted with alpha until the first miss."""
+    return [alpha ** a * (1 - alpha) for a in range(p)] + [alpha ** p]
+
+
+def sequential_ms_per_token(alpha: float, k: int, costs: StepCosts) -> float:
+    """The one-graph sequential pass: a 2-token first draft step, k-1 single steps, verify k+1."""
+    tokens = sum((a + 1) * q for a, q in enumerate(accepted_distribution(alpha, k)))  # E(k)
+    return (k * costs.t_draft + costs.t_pair_extra + costs.t_verify[k + 1]) / tokens
+
+
+def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: StepCosts, *, draft_free: bool = False,
+                            restart_wait: int = 0, branch_hit: float = 0.0, tolerance: float = 1e-12) -> float:
+    """Expected ms per output token of the overlapped loop's rules (`speculative_generate`,
+    `predicted_tokens_per_second`), solved as a Markov chain over the ready count."""
+    t_draft = 0.0 if draft_free else costs.t_draft
+    cap = k + 2 + overlap_steps + restart_wait + 1  # no reachable state holds more ready tokens
+    dist = [0.0] * (cap + 1)
+    dist[0] = 1.0
+    ms = tokens = 0.0
+    for _ in range(10_000):  # power iteration; the chain mixes within a few dozen passes
+        nxt = [0.0] * (cap + 1)
+        ms = tokens = 0.0
+        for ready, w in enumerate(dist):
+            if w == 0.0:
+                continue
+            wait = 0.0
+            if ready == 0 and restart_wait:
+                # the target idles while the draft drafts m: not hidden, so charged even when the draft is free
+                wait, ready = restart_wait * costs.t_draft, restart_wait
+            p = min(k, ready)
+            steps = min(overlap_steps, max(1, k + 2 - (ready - p)))
+            after = ready + steps
+            ms += w * (wait + max(costs.t_verify[p + 1], steps * t_draft))
+            for a, q in enumerate(accepted_distribution(alpha, p)):
+                tokens += w * q * (a + 1)
+                survive = alpha if a == p else 0.0  # all accepted and the bonus guessed
+                survive += (1 - survive) * branch_hit  # a free branch from the correction was ready
+                nxt[min(cap, max(0, after - (a + 1)))] += w * q * survive
+                nxt[0] += w * q * (1 - survive)
+        converged = sum(abs(x - y) for x, y in zip(dist, nxt)) < tolerance
+        dist = nxt
+        if converged:
+            break
+    return ms / tokens
+
+
+def best_overlapped(alpha: float, costs: StepCosts, max_k: int = 8, **what_if) -> tuple[float, int, int]:
+    """(ms per token, k, overlap steps) minimising the chain's cost over the loop's choices."""
+    # L beyond k + 2 changes nothing: the loop never runs more than k + 2 steps in one pass
+    return min((overlapped_ms_per_token(alpha, k, L, costs, **what_if), k, L)
+               for k in range(1, max_k + 1) for L in range(1, k + 3))
+
+
+def branch_hit_needed(alpha: float, costs: StepCosts, ratio: float, seq_ms: float) -> float | None:
+    """Smallest branch hit rate at which the (draft-free) overlapped loop reaches `ratio` x sequential."""
+    lo, hi = 0.0, 1.0
+    if seq_ms / best_overlapped(alpha, costs, draft_free=True, branch_hit=hi)[0] < ratio:
+        return None
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        if seq_ms / best_overlapped(alpha, costs, draft_free=True, branch_hit=mid)[0] >= ratio:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", nargs="?", type=Path, default=DEFAULT_RUN, help="a bench.gpu result JSON")
+    parser.add_argument("--weights", default="int8", choices=["int8", "bf16"], help="which draft's step costs")
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    args = parser.parse_args()
+    costs = StepCosts.from_gpu_json(args.run, args.weights)
+    plain = costs.t_verify[1]
+    print(f"{args.run.name}: decode {plain:.3f} ms, draft step {costs.t_draft:.3f} ms "
+          f"(2-token step +{costs.t_pair_extra:.3f}), verify of 4 tokens {costs.t_verify[4]:.3f} ms")
+    print("speedups over plain decoding (ratio to the best sequential pass in brackets)")
+    print(" alpha | sequential (k) | overlapped (k,L) | draft free | + pre-verify 1 | branch hit for 1.3x")
+    for alpha in args.alphas:
+        seq_ms, seq_k = min((sequential_ms_per_token(alpha, k, costs), k) for k in range(1, 9))
+        rows = [best_overlapped(alpha, costs), best_overlapped(alpha, costs, draft_free=True),
+                best_overlapped(alpha, costs, draft_free=True, restart_wait=1)]
+        cells = [f"{plain / ms:.2f} [{seq_ms / ms:.2f}]" for ms, _, _ in rows]
+        need = branch_hit_needed(alpha, costs, 1.3, seq_ms)
+        print(f"  {alpha:.2f} | {plain / seq_ms:.2f} ({seq_k})       | {cells[0]} ({rows[0][1]},{rows[0][2]})"
+              f" | {cells[1]} | {cells[2]} | {'unreachable' if need is None else f'{need:.2f}'}")
+
+
+if __name__ == "__main__":
+    main()
