@@ -52,3 +52,12 @@ def test_best_overlapped_picks_the_cheapest_choice() -> None:
     ms, k, steps = best_overlapped(0.7, COSTS, max_k=5)
     assert ms == pytest.approx(overlapped_ms_per_token(0.7, k, steps, COSTS))
     assert all(ms <= overlapped_ms_per_token(0.7, kk, 5, COSTS) + 1e-12 for kk in range(1, 6))
+
+
+def test_branches_help_only_as_far_as_their_rows_are_paid_for() -> None:
+    plain = overlapped_ms_per_token(0.7, 4, 5, COSTS)
+    free = overlapped_ms_per_token(0.7, 4, 5, COSTS, branch_hit=0.5)
+    paid = overlapped_ms_per_token(0.7, 4, 5, COSTS, branch_hit=0.5, branch_step_extra=0.35)
+    assert free < paid and free < plain
+    # a branch that never hits is pure cost, and a free one that never hits changes nothing
+    assert overlapped_ms_per_token(0.7, 4, 5, COSTS, branch_hit=0.0, branch_step_extra=0.35) == pytest.approx(plain)
