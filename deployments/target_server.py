@@ -153,17 +153,17 @@ class TargetServer:
     def _plan_k(self, batch, caps: list[int]) -> list[int]:
         replica_alpha = self.policy.acceptance.alpha("default")
         proposer, costs = self.engine.proposer, self.policy.costs
-        z = self.policy.config.acceptance_optimism
+        z, weight = self.policy.config.acceptance_optimism, self.policy.config.sequence_prior_weight
         candidates = []
         for seq, cap in zip(batch, caps):
             # this sequence's own acceptance, shrunk towards its prompt class's (router) or the
             # replica's; optimistic by z standard deviations for whether it drafts (token_alpha_upper)
             prior = seq.alpha_prior if seq.alpha_prior is not None else replica_alpha
             candidates.append(StepCandidate(
-                cap, seq.stats.token_alpha(prior), seq.adaptive,
+                cap, seq.stats.token_alpha(prior, weight), seq.adaptive,
                 catch_up_s=costs.t_draft_prefill(proposer.catch_up_tokens(seq.seq_id, seq.token_ids))
                 if proposer is not None and cap else 0.0,
-                remaining=seq.remaining, alpha_upper=seq.stats.token_alpha_upper(prior, z)))
+                remaining=seq.remaining, alpha_upper=seq.stats.token_alpha_upper(prior, z, weight)))
         explore_k = self.explorer.explore_k() if self.explorer is not None else None
         plan = self.policy.plan_step(candidates, explore_k=explore_k)
         if self.explorer is not None:

@@ -121,6 +121,13 @@ class PolicyConfig(_Strict):
     overlap: bool = Field(False, description="draft runs on its own device, overlapped with verify")
     stale_after_s: float = Field(10.0, gt=0)
     prior_alpha: float = Field(0.6, ge=0.0, le=1.0)
+    sequence_prior_weight: float = Field(
+        24.0, gt=0.0,
+        description="pseudo-trials of its prompt class's acceptance that a sequence's own estimate starts from "
+                    "(app/acceptance.py token_alpha): how far its own steps move it. Measured on the embedded pair "
+                    "(bench/draft_agreement.py): per-prompt acceptance spreads like a Beta prior of 23 (code) to 38 "
+                    "(prose) pseudo-trials; lighter, a few lucky steps made sequences look far better than their "
+                    "class and the planner drafted on noise")
     acceptance_optimism: float = Field(
         1.0, ge=0.0,
         description="standard deviations added to a sequence's own acceptance estimate when the step planner "

@@ -77,3 +77,30 @@ def test_optimism_decides_whether_and_the_mean_how_deep() -> None:
     poor = _stats([(4, 1), (4, 0), (4, 2), (4, 0)] * 8)
     poor_cand = replace(cand, alpha=poor.token_alpha(0.8), alpha_upper=poor.token_alpha_upper(0.8, 1.0))
     assert plan_step_optimistic([poor_cand] * 2, costs, margin=1.05).ks == [0, 0]
+
+
+def test_a_heavier_class_prior_stops_the_planner_choosing_sequences_for_their_luck() -> None:
+    """Sequences of one class differ a little (per-token acceptance 0.75 ± 0.07, as the embedded
+    pair's prompts do: bench/draft_agreement.py); each has drafted three steps. Those whose estimate
+    clears a break-even of 0.82 are the ones a planner would draft on. With the old weight of 8
+    pseudo-trials they look far better than they are and are on average below break-even (chosen
+    for luck); with the configured weight the chosen ones' estimate stays near their truth."""
+    from app.policy import PolicyConfig
+
+    rng = random.Random(3)
+    seqs = []
+    for _ in range(3000):
+        truth = min(0.97, max(0.4, rng.gauss(0.75, 0.07)))
+        steps = [(4, next((i for i in range(4) if rng.random() > truth), 4)) for _ in range(3)]
+        seqs.append((truth, _stats(steps)))
+
+    def chosen(weight: float) -> tuple[float, float, int]:
+        """(mean estimate - truth, mean truth, count) of the sequences whose estimate clears 0.82."""
+        picked = [(st.token_alpha(0.75, weight), truth) for truth, st in seqs if st.token_alpha(0.75, weight) > 0.82]
+        n = max(len(picked), 1)
+        return sum(e - t for e, t in picked) / n, sum(t for _, t in picked) / n, len(picked)
+
+    light_over, light_truth, n_light = chosen(8.0)
+    over, truth, n = chosen(PolicyConfig().sequence_prior_weight)
+    assert n_light > 300 and light_over > 0.04 and light_truth < 0.80  # drafting them loses
+    assert n > 50 and over < 0.03 and truth > 0.81  # fewer, and about as good as they look
