@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--generate", action="store_true",
                     help="also time a whole SpeculativePassGraph.generate() of 256 tokens against its passes and prefills")
+    ap.add_argument("--widths", default="",
+                    help="also time the draft's forward over this many tokens of one sequence, all logits kept, "
+                         "e.g. 1,2,4,8: what a step that drafts branches beside the chain costs (bench/overlap_bound.py)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/gpu-pass-parts.json"))
     args = ap.parse_args()
     k, dev, max_len = args.k, torch.device("cuda"), 1024
@@ -92,6 +95,15 @@ def main() -> None:
         g_one, _ = capture_graph(dev, lambda: fd.forward(tok1, pos1))
         row["step1_forward_ms"] = replay_time(g_one) * 1e3
 
+        widths = [int(w) for w in args.widths.split(",") if w]
+        row["forward_ms_by_width"] = {}
+        for w in widths:
+            tok_w = torch.zeros((1, w), dtype=torch.long, device=dev)
+            pos_w = torch.arange(300, 300 + w, device=dev).view(1, -1)
+            g_w, _ = capture_graph(dev, lambda: fd.forward(tok_w, pos_w))
+            row["forward_ms_by_width"][w] = replay_time(g_w) * 1e3
+            del g_w
+
         def draft_share() -> None:
             loop._step(2)
             for _ in range(k - 1):
@@ -103,7 +115,8 @@ def main() -> None:
         row["pass_ms"] = replay_time(spec._graph, lambda: spec.n.fill_(200)) * 1e3
         row["pass_from_parts_ms"] = res["t_verify_ms"] + row["draft_share_ms"]
         row["unexplained_ms"] = row["pass_ms"] - row["pass_from_parts_ms"]
-        print(f"[{time.perf_counter() - t0:.0f}s] {weights}: {json.dumps({n: round(v, 4) for n, v in row.items()})}", flush=True)
+        print(f"[{time.perf_counter() - t0:.0f}s] {weights}: "
+              f"{json.dumps({n: (round(v, 4) if isinstance(v, float) else v) for n, v in row.items()})}", flush=True)
         if args.profile:
             row["kernels_pass"] = kernel_table(lambda: (spec.n.fill_(200), spec._graph.replay()))
             row["kernels_draft_share"] = kernel_table(lambda: (park(), g_share.replay()))

@@ -16,7 +16,7 @@ asks what-if questions of the same chain that the implemented loop does not do:
 Usage: `python -m bench.overlap_bound [gpu-json]` with a `bench.gpu` result file (default: the
 session-8 int8 run); prints, per alpha, the best sequential one-graph pass, the implemented
 overlapped loop, its ceiling, the what-ifs, and the branch hit rate 1.3x over sequential needs
-(with the draft at its measured cost and the branches free).
+(with the draft at its measured cost and the branch rows priced per draft step).
 Pure Python; no GPU.
 """
 
@@ -102,15 +102,17 @@ def best_overlapped(alpha: float, costs: StepCosts, max_k: int = 8, **what_if) -
                for k in range(1, max_k + 1) for L in range(1, k + 3))
 
 
-def branch_hit_needed(alpha: float, costs: StepCosts, ratio: float, seq_ms: float) -> float | None:
-    """Smallest branch hit rate at which the overlapped loop (its draft at its measured cost, the
-    branches free) reaches `ratio` x the best sequential pass; None if no rate does."""
+def branch_hit_needed(alpha: float, costs: StepCosts, ratio: float, seq_ms: float,
+                      branch_step_extra: float = 0.0) -> float | None:
+    """Smallest branch hit rate at which the overlapped loop (its draft at its measured cost, each
+    draft step `branch_step_extra` ms dearer) reaches `ratio` x the best sequential pass; None if none does."""
     lo, hi = 0.0, 1.0
-    if seq_ms / best_overlapped(alpha, costs, branch_hit=hi)[0] < ratio:
+    extra = {"branch_step_extra": branch_step_extra}
+    if seq_ms / best_overlapped(alpha, costs, branch_hit=hi, **extra)[0] < ratio:
         return None
     for _ in range(20):
         mid = (lo + hi) / 2
-        if seq_ms / best_overlapped(alpha, costs, branch_hit=mid)[0] >= ratio:
+        if seq_ms / best_overlapped(alpha, costs, branch_hit=mid, **extra)[0] >= ratio:
             hi = mid
         else:
             lo = mid
@@ -125,25 +127,33 @@ def main() -> None:
     parser.add_argument("--branch-hit", type=float, default=0.52,
                         help="runner-up hit rate for the branch what-if (default: the embedded pair on code, "
                              "bench.draft_agreement)")
+    parser.add_argument("--draft-ms", type=float, help="override the draft step's cost (ms)")
+    parser.add_argument("--pair-extra-ms", type=float, help="override what a 2-token draft step costs over 1 (ms)")
+    parser.add_argument("--branch-extra-ms", type=float,
+                        help="what the branch rows add to a draft step (ms; default: the 2-token step's extra); "
+                             "bench.gpu_pass_parts --widths measures a step by width")
     args = parser.parse_args()
     costs = StepCosts.from_gpu_json(args.run, args.weights)
+    costs = StepCosts(costs.t_verify, costs.t_draft if args.draft_ms is None else args.draft_ms,
+                      costs.t_pair_extra if args.pair_extra_ms is None else args.pair_extra_ms)
+    branch_extra = costs.t_pair_extra if args.branch_extra_ms is None else args.branch_extra_ms
     plain = costs.t_verify[1]
     print(f"{args.run.name}: decode {plain:.3f} ms, draft step {costs.t_draft:.3f} ms "
           f"(2-token step +{costs.t_pair_extra:.3f}), verify of 4 tokens {costs.t_verify[4]:.3f} ms")
     print("speedup over plain decoding [over the best sequential pass] (k, overlap steps); every what-if but "
-          "'draft free' keeps the draft at its measured cost; the last prices the branch rows at the 2-token step's extra")
+          "'draft free' keeps the draft at its measured cost; the last prices the branch rows per draft step")
     columns = {"overlapped, as built": {}, "draft free": {"draft_free": True}, "pre-verify 1": {"restart_wait": 1},
                f"free branches, hit {args.branch_hit:.2f}": {"branch_hit": args.branch_hit},
-               f"branches at +{costs.t_pair_extra:.2f} ms a step": {"branch_hit": args.branch_hit,
-                                                                    "branch_step_extra": costs.t_pair_extra}}
-    print(" alpha | sequential (k) | " + " | ".join(columns) + " | branch hit for 1.3x")
+               f"branches at +{branch_extra:.2f} ms a step": {"branch_hit": args.branch_hit,
+                                                              "branch_step_extra": branch_extra}}
+    print(" alpha | sequential (k) | " + " | ".join(columns) + " | branch hit for 1.3x (rows priced)")
     for alpha in args.alphas:
         seq_ms, seq_k = min((sequential_ms_per_token(alpha, k, costs), k) for k in range(1, 9))
         cells = []
         for what_if in columns.values():
             ms, k, steps = best_overlapped(alpha, costs, **what_if)
             cells.append(f"{plain / ms:.2f} [{seq_ms / ms:.2f}] ({k},{steps})")
-        need = branch_hit_needed(alpha, costs, 1.3, seq_ms)
+        need = branch_hit_needed(alpha, costs, 1.3, seq_ms, branch_extra)
         print(f"  {alpha:.2f} | {plain / seq_ms:.2f} ({seq_k}) | " + " | ".join(cells)
               + f" | {'unreachable' if need is None else f'{need:.2f}'}")
 
