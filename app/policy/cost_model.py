@@ -181,10 +181,9 @@ class StepCostsConfig(BaseModel):
     overhead_s: float = Field(0.0, ge=0, description="per engine step outside the forwards (host work), paid by every step")
     chunk_s: float = Field(
         0.0, ge=0,
-        description="host CPU seconds each streamed chunk (one per sequence per step) takes outside the engine "
-                    "thread (router, proxy, the replica's streaming) when they share the model's CPU cores "
-                    "(configs/local.yaml). It runs beside the engine step, so a step lasts at least "
-                    "batch * chunk_s (step_plan.py); 0 where they run elsewhere (GPU hosts)")
+        description="wall time each streamed chunk (one per sequence per step) costs the model's cores: the router "
+                    "and proxy forwarding it when they share the model's CPU cores (configs/local.yaml); 0 where "
+                    "they run elsewhere (GPU hosts)")
     draft_prefill_per_token_s: float | None = Field(None, ge=0, description="defaults to the draft curve's slope past its knee")
     decay: float = Field(0.1, gt=0, le=1, description="weight of a new measurement once warmed up")
 
@@ -220,8 +219,7 @@ class StepCosts:
         return self._exchange.value
 
     def t_emit(self, b: int) -> float:
-        """Host time of streaming one chunk per sequence of a b-sequence step (configured); it runs
-        beside the engine step, so a step takes max(engine time, t_emit(b))."""
+        """Host time of streaming one chunk per sequence of a b-sequence step (configured)."""
         return max(b, 0) * self.config.chunk_s
 
     @property
@@ -294,8 +292,8 @@ def speedup(
 ) -> float:
     """Goodput of speculating with depth k over plain decoding, for one sequence in a batch of b.
 
-    plain: max(t_decode(b) + t_overhead, t_emit(b)) per token. speculative: max(k·t_draft + t_verify(b, k)
-    + t_exchange + t_overhead, t_emit(b)) / E(k) per token (the chunks stream beside the step), plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
+    plain: t_decode(b) + t_overhead + t_emit(b) per token. speculative: (k·t_draft + t_verify(b, k) +
+    t_exchange + t_overhead + t_emit(b)) / E(k) per token, plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
     draft drafts block t+1 while the target verifies block t, so only the part of draft+exchange
     that outlasts the verify is paid. (That is optimistic when acceptance is low, since a rejected
     block's pre-drafted successor is thrown away; the live step times correct for it.)
@@ -303,10 +301,10 @@ def speedup(
     """
     if k <= 0:
         return 1.0
-    plain = max(costs.t_decode(b) + costs.t_overhead, costs.t_emit(b))
+    plain = costs.t_decode(b) + costs.t_overhead + costs.t_emit(b)
     verify = costs.t_verify(b, k)
     side = k * costs.t_draft(draft_batch if draft_batch is not None else b) + costs.t_exchange
-    step = max(verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead, costs.t_emit(b))
+    step = verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead + costs.t_emit(b)
     per_token = step / expected_tokens_per_step(alpha, k, per_position)
     if prompt_tokens > 0 and output_tokens:
         per_token += costs.t_draft_prefill(prompt_tokens) / output_tokens

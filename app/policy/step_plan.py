@@ -11,20 +11,15 @@ maximises the batch's goodput:
     tokens(S, k) = Σ_{s∈S} E(α_s, k_s) + (b − |S|)                       emitted this step
     time(S, k)   = t_target(b · (max_s k_s + 1))                             one target forward, padded
                  + [S ≠ ∅] · (max_s k_s · t_draft(|S|) + t_exchange)        the draft call, if any
-                 + t_overhead                                                 the engine's host work
+                 + t_overhead + b · t_chunk                                host work of any step
+
                  + Σ_{s∈S} c_s · E(α_s, k_s) / R_s                                catch-ups, amortised
-    wall(S, k)   = max(time(S, k), b · t_chunk)                              the streaming beside it
 
 (The target pads every row of a pass to its longest input, so a plain row in a drafting step
 costs as much target time as a drafting one: measured on the embedded CPU target at batch 32
 (bench/pad_cost.py), 31 one-token rows and one 5-token row 99 ms, all 32 rows at 5 tokens 99 ms,
 all at 1 token 75 ms. With a ragged pass (`padded=False`) the term is t_target(Σ_{s∈S}(k_s + 1) + (b − |S|)).
-t_chunk: the host CPU that streaming one sequence's chunk takes outside the engine thread (the
-router, the proxy and the replica's own streaming, where they share the model's cores). It runs
-beside the engine step on the core the engine leaves free, so a step pays it only where the batch's
-chunks outlast the step: measured on the 2-core CPU app, a plain step at 1 and 2 streams took
-about its engine time (7.1 ms at 1 stream, where engine + chunk predicted 8.4), while at 16 streams
-it took 40.4 ms against 18.7 ms in-process (16 chunks of ~2.4 ms CPU). c_s: the
+t_chunk: streaming one sequence's chunk, where the router shares the model's cores; c_s: the
 draft prefill a sequence needs before it can draft again — its whole context when the draft never
 saw it, every token of the plain steps since it last drafted — paid once and then good for its
 remaining R_s tokens, so a step is charged the share of it that its E tokens use up) over
@@ -144,7 +139,7 @@ def plan_step(
     f_depth = max((ks[i] for i in forced), default=0)
     n_rest = b - len(forced)  # plain unless chosen below
     # host time of any step: the engine's own (inside the step's wall time, so calibrated with it)
-    # and the streamed chunks' (the router's and proxy's work beside it: never calibrated)
+    # and the streamed chunks' (the router's and proxy's work, outside it: never calibrated)
     host, emit = costs.t_overhead, costs.t_emit(b)
     times: dict[tuple[int, int, int], float] = {}  # the engine time of (pass tokens, drafting, depth)
 
@@ -161,7 +156,7 @@ def plan_step(
         t = times.get(key)
         if t is None:  # padded passes repeat: one curve lookup per (tokens, drafting, depth)
             t = times[key] = _time(costs, key[0], num_spec, d, overlap, host) * factor(d if num_spec else 0)
-        t = max(t + f_catch + catch, emit)  # the chunks stream beside the step (module doc)
+        t += emit + f_catch + catch
         return tokens / t if t > 0 else 0.0
 
     plain = goodput(0, 0.0, 0, 0, 0.0) if b else 0.0
