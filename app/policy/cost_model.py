@@ -181,9 +181,14 @@ class StepCostsConfig(BaseModel):
     overhead_s: float = Field(0.0, ge=0, description="per engine step outside the forwards (host work), paid by every step")
     chunk_s: float = Field(
         0.0, ge=0,
-        description="wall time each streamed chunk (one per sequence per step) costs the model's cores: the router "
-                    "and proxy forwarding it when they share the model's CPU cores (configs/local.yaml); 0 where "
-                    "they run elsewhere (GPU hosts)")
+        description="wall time each streamed chunk (one per sequence per step) adds to the engine step: the part "
+                    "of streaming it that contends with the engine thread (the replica's own streaming) when "
+                    "they share the model's CPU cores (configs/local.yaml); 0 where they run elsewhere (GPU hosts)")
+    chunk_beside_s: float = Field(
+        0.0, ge=0,
+        description="seconds each streamed chunk keeps the processes beside the engine busy (router, proxy) on the "
+                    "core the engine leaves free: a step lasts at least batch * chunk_beside_s, so this binds only "
+                    "where the batch's chunks outlast the step (step_plan.py); 0 where they run elsewhere")
     draft_prefill_per_token_s: float | None = Field(None, ge=0, description="defaults to the draft curve's slope past its knee")
     decay: float = Field(0.1, gt=0, le=1, description="weight of a new measurement once warmed up")
 
@@ -219,8 +224,13 @@ class StepCosts:
         return self._exchange.value
 
     def t_emit(self, b: int) -> float:
-        """Host time of streaming one chunk per sequence of a b-sequence step (configured)."""
+        """Host time that streaming one chunk per sequence of a b-sequence step adds to it (configured)."""
         return max(b, 0) * self.config.chunk_s
+
+    def t_emit_beside(self, b: int) -> float:
+        """The shortest a b-sequence step can be while the router and proxy forward its chunks beside
+        it (configured): a step takes max(its own time, this)."""
+        return max(b, 0) * self.config.chunk_beside_s
 
     @property
     def t_overhead(self) -> float:
@@ -292,8 +302,8 @@ def speedup(
 ) -> float:
     """Goodput of speculating with depth k over plain decoding, for one sequence in a batch of b.
 
-    plain: t_decode(b) + t_overhead + t_emit(b) per token. speculative: (k·t_draft + t_verify(b, k) +
-    t_exchange + t_overhead + t_emit(b)) / E(k) per token, plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
+    plain: max(t_decode(b) + t_overhead + t_emit(b), t_emit_beside(b)) per token. speculative:
+    max(k·t_draft + t_verify(b, k) + t_exchange + t_overhead + t_emit(b), t_emit_beside(b)) / E(k) per token, plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
     draft drafts block t+1 while the target verifies block t, so only the part of draft+exchange
     that outlasts the verify is paid. (That is optimistic when acceptance is low, since a rejected
     block's pre-drafted successor is thrown away; the live step times correct for it.)
@@ -301,10 +311,11 @@ def speedup(
     """
     if k <= 0:
         return 1.0
-    plain = costs.t_decode(b) + costs.t_overhead + costs.t_emit(b)
+    beside = costs.t_emit_beside(b)  # the router's and proxy's share runs beside the step
+    plain = max(costs.t_decode(b) + costs.t_overhead + costs.t_emit(b), beside)
     verify = costs.t_verify(b, k)
     side = k * costs.t_draft(draft_batch if draft_batch is not None else b) + costs.t_exchange
-    step = verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead + costs.t_emit(b)
+    step = max(verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead + costs.t_emit(b), beside)
     per_token = step / expected_tokens_per_step(alpha, k, per_position)
     if prompt_tokens > 0 and output_tokens:
         per_token += costs.t_draft_prefill(prompt_tokens) / output_tokens

@@ -12,6 +12,7 @@ maximises the batch's goodput:
     time(S, k)   = t_target(b · (max_s k_s + 1))                             one target forward, padded
                  + [S ≠ ∅] · (max_s k_s · t_draft(|S|) + t_exchange)        the draft call, if any
                  + t_overhead + b · t_chunk                                host work of any step
+    wall(S, k)   = max(time(S, k) + catch-ups, b · t_beside)                the streaming beside it
 
                  + Σ_{s∈S} c_s · E(α_s, k_s) / R_s                                catch-ups, amortised
 
@@ -19,7 +20,12 @@ maximises the batch's goodput:
 costs as much target time as a drafting one: measured on the embedded CPU target at batch 32
 (bench/pad_cost.py), 31 one-token rows and one 5-token row 99 ms, all 32 rows at 5 tokens 99 ms,
 all at 1 token 75 ms. With a ragged pass (`padded=False`) the term is t_target(Σ_{s∈S}(k_s + 1) + (b − |S|)).
-t_chunk: streaming one sequence's chunk, where the router shares the model's cores; c_s: the
+t_chunk, t_beside: streaming one sequence's chunk where the router and proxy share the model's
+cores. Part of it contends with the engine thread and lengthens the step (t_chunk); the rest runs
+in the router and proxy on the core the engine leaves free, and binds only once the batch's chunks
+outlast the step (t_beside). Measured on the 2-core CPU app, a plain step took 0.4, 0.5, 2.3 and
+21.7 ms more than its engine parts at 1, 2, 4 and 16 streams (bench/RESULTS.md section 7, session
+10): neither all added nor all beside fits that. c_s: the
 draft prefill a sequence needs before it can draft again — its whole context when the draft never
 saw it, every token of the plain steps since it last drafted — paid once and then good for its
 remaining R_s tokens, so a step is charged the share of it that its E tokens use up) over
@@ -140,7 +146,7 @@ def plan_step(
     n_rest = b - len(forced)  # plain unless chosen below
     # host time of any step: the engine's own (inside the step's wall time, so calibrated with it)
     # and the streamed chunks' (the router's and proxy's work, outside it: never calibrated)
-    host, emit = costs.t_overhead, costs.t_emit(b)
+    host, emit, beside = costs.t_overhead, costs.t_emit(b), costs.t_emit_beside(b)
     times: dict[tuple[int, int, int], float] = {}  # the engine time of (pass tokens, drafting, depth)
 
     def factor(depth: int) -> float:
@@ -156,7 +162,7 @@ def plan_step(
         t = times.get(key)
         if t is None:  # padded passes repeat: one curve lookup per (tokens, drafting, depth)
             t = times[key] = _time(costs, key[0], num_spec, d, overlap, host) * factor(d if num_spec else 0)
-        t += emit + f_catch + catch
+        t = max(t + emit + f_catch + catch, beside)  # the router's and proxy's share runs beside the step
         return tokens / t if t > 0 else 0.0
 
     plain = goodput(0, 0.0, 0, 0, 0.0) if b else 0.0

@@ -27,7 +27,7 @@ def _goodput(cands: list[StepCandidate], ks: list[int], costs: StepCosts, padded
     spec = [k for k in ks if k]
     if spec:
         t += max(spec) * costs.t_draft(len(spec)) + costs.t_exchange
-    return tokens / t
+    return tokens / max(t, len(ks) * costs.config.chunk_beside_s)  # the router's share runs beside the step
 
 
 def test_one_predictable_sequence_on_an_idle_replica_speculates_deep() -> None:
@@ -108,7 +108,8 @@ def test_plan_is_the_optimum_over_every_subset_and_depth(seed: int) -> None:
     top-m-by-alpha search finds the same best goodput, and reports it correctly."""
     rng = random.Random(seed)
     costs = _costs(target_step_s=0.02, knee_tokens=rng.choice([4, 16, 64]), exchange_s=rng.choice([0.0, 0.004, 0.02]),
-                   overhead_s=rng.choice([0.0, 0.01]), chunk_s=rng.choice([0.0, 0.002]))
+                   overhead_s=rng.choice([0.0, 0.01]), chunk_s=rng.choice([0.0, 0.002]),
+                   chunk_beside_s=rng.choice([0.0, 0.01]))
     cands = [StepCandidate(rng.randint(0, 5), rng.random(), rng.random() < 0.8) for _ in range(rng.randint(1, 6))]
     for padded in (True, False):
         plan = plan_step(cands, costs, padded=padded)
@@ -168,6 +169,20 @@ def test_host_overhead_per_step_favours_steps_that_emit_more() -> None:
     assert any(plan_step(cands, _costs(exchange_s=0.02, overhead_s=0.1), margin=1.05).ks)
     # the same for a host cost per streamed chunk, which grows with the batch
     assert any(plan_step(cands, _costs(exchange_s=0.02, chunk_s=0.03), margin=1.05).ks)
+
+
+def test_chunks_streamed_beside_the_step_cost_nothing_until_they_outlast_it() -> None:
+    # one sequence, a 20 ms plain step, acceptance just short of paying for a 20 ms draft hop: plain
+    cands = _auto(0.6)
+    costs = _costs(exchange_s=0.02)
+    assert plan_step(cands, costs, margin=1.0).ks == [0]
+    # 5 ms of router work per chunk hides beside the step: the plan and its goodput do not move
+    # (added to the step instead, it would favour the step that emits more tokens per chunk)
+    hidden = plan_step(cands, _costs(exchange_s=0.02, chunk_beside_s=0.005), margin=1.0)
+    assert hidden.ks == [0] and hidden.goodput == pytest.approx(plan_step(cands, costs, margin=1.0).goodput)
+    assert plan_step(cands, _costs(exchange_s=0.02, chunk_s=0.005), margin=1.0).goodput < hidden.goodput
+    # 40 ms per chunk outlasts a plain step but not a drafting one: speculating now pays
+    assert plan_step(cands, _costs(exchange_s=0.02, chunk_beside_s=0.04), margin=1.0).ks[0] > 0
 
 
 def test_explore_k_turns_an_all_plain_plan_into_a_shallow_one() -> None:
