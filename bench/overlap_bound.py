@@ -85,7 +85,7 @@ def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: Ste
             for a, q in enumerate(accepted_distribution(alpha, p)):
                 tokens += w * q * (a + 1)
                 survive = alpha if a == p else 0.0  # all accepted and the bonus guessed
-                survive += (1 - survive) * branch_hit  # a free branch from the correction was ready
+                survive += (1 - survive) * branch_hit  # a branch from the correction was ready
                 nxt[min(cap, max(0, after - (a + 1)))] += w * q * survive
                 nxt[0] += w * q * (1 - survive)
         converged = sum(abs(x - y) for x, y in zip(dist, nxt)) < tolerance
