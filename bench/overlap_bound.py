@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from app.policy.cost_model import expected_tokens_per_step
 
 DEFAULT_RUN = Path(__file__).parent / "results" / "gpu-h200x2-int8-session8.json"
 
 
 @dataclass(frozen=True)
-class StepCosts:
+class PassCosts:
     """Measured costs in ms: target pass by input width (1 = plain decode), one draft step, and
     what a 2-token first draft step costs over a 1-token one (the one-graph sequential pass has it)."""
     t_verify: dict[int, float]
@@ -39,7 +41,7 @@ class StepCosts:
     t_pair_extra: float = 0.0
 
     @classmethod
-    def from_gpu_json(cls, path: Path, weights: str = "int8") -> StepCosts:
+    def from_gpu_json(cls, path: Path, weights: str = "int8") -> PassCosts:
         run = json.loads(path.read_text())
         return cls(t_verify={int(w): t for w, t in run["t_verify_8b_ms"].items()},
                    t_draft=run[f"t_draft_1b_ms_sequential_{weights}"],
@@ -51,13 +53,12 @@ def accepted_distribution(alpha: float, p: int) -> list[float]:
     return [alpha ** a * (1 - alpha) for a in range(p)] + [alpha ** p]
 
 
-def sequential_ms_per_token(alpha: float, k: int, costs: StepCosts) -> float:
+def sequential_ms_per_token(alpha: float, k: int, costs: PassCosts) -> float:
     """The one-graph sequential pass: a 2-token first draft step, k-1 single steps, verify k+1."""
-    tokens = sum((a + 1) * q for a, q in enumerate(accepted_distribution(alpha, k)))  # E(k)
-    return (k * costs.t_draft + costs.t_pair_extra + costs.t_verify[k + 1]) / tokens
+    return (k * costs.t_draft + costs.t_pair_extra + costs.t_verify[k + 1]) / expected_tokens_per_step(alpha, k)
 
 
-def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: StepCosts, *, draft_free: bool = False,
+def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: PassCosts, *, draft_free: bool = False,
                             restart_wait: int = 0, branch_hit: float = 0.0, branch_step_extra: float = 0.0,
                             tolerance: float = 1e-12) -> float:
     """Expected ms per output token of the overlapped loop's rules (`speculative_generate`,
@@ -95,14 +96,14 @@ def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: Ste
     return ms / tokens
 
 
-def best_overlapped(alpha: float, costs: StepCosts, max_k: int = 8, **what_if) -> tuple[float, int, int]:
+def best_overlapped(alpha: float, costs: PassCosts, max_k: int = 8, **what_if) -> tuple[float, int, int]:
     """(ms per token, k, overlap steps) minimising the chain's cost over the loop's choices."""
     # L beyond k + 2 changes nothing: the loop never runs more than k + 2 steps in one pass
     return min((overlapped_ms_per_token(alpha, k, L, costs, **what_if), k, L)
                for k in range(1, max_k + 1) for L in range(1, k + 3))
 
 
-def branch_hit_needed(alpha: float, costs: StepCosts, ratio: float, seq_ms: float,
+def branch_hit_needed(alpha: float, costs: PassCosts, ratio: float, seq_ms: float,
                       branch_step_extra: float = 0.0) -> float | None:
     """Smallest branch hit rate at which the overlapped loop (its draft at its measured cost, each
     draft step `branch_step_extra` ms dearer) reaches `ratio` x the best sequential pass; None if none does."""
@@ -133,9 +134,11 @@ def main() -> None:
                         help="what the branch rows add to a draft step (ms; default: the 2-token step's extra); "
                              "bench.gpu_pass_parts --widths measures a step by width")
     args = parser.parse_args()
-    costs = StepCosts.from_gpu_json(args.run, args.weights)
-    costs = StepCosts(costs.t_verify, costs.t_draft if args.draft_ms is None else args.draft_ms,
-                      costs.t_pair_extra if args.pair_extra_ms is None else args.pair_extra_ms)
+    costs = PassCosts.from_gpu_json(args.run, args.weights)
+    if args.draft_ms is not None:
+        costs = replace(costs, t_draft=args.draft_ms)
+    if args.pair_extra_ms is not None:
+        costs = replace(costs, t_pair_extra=args.pair_extra_ms)
     branch_extra = costs.t_pair_extra if args.branch_extra_ms is None else args.branch_extra_ms
     plain = costs.t_verify[1]
     print(f"{args.run.name}: decode {plain:.3f} ms, draft step {costs.t_draft:.3f} ms "

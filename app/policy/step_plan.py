@@ -12,9 +12,8 @@ maximises the batch's goodput:
     time(S, k)   = t_target(b · (max_s k_s + 1))                             one target forward, padded
                  + [S ≠ ∅] · (max_s k_s · t_draft(|S|) + t_exchange)        the draft call, if any
                  + t_overhead + b · t_chunk                                host work of any step
-    wall(S, k)   = max(time(S, k) + catch-ups, b · t_beside)                the streaming beside it
-
                  + Σ_{s∈S} c_s · E(α_s, k_s) / R_s                                catch-ups, amortised
+    wall(S, k)   = max(time(S, k), b · t_beside)                             the streaming beside it
 
 (The target pads every row of a pass to its longest input, so a plain row in a drafting step
 costs as much target time as a drafting one: measured on the embedded CPU target at batch 32

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from app.fast_decode import predicted_tokens_per_second
-from bench.overlap_bound import (StepCosts, accepted_distribution, best_overlapped, overlapped_ms_per_token,
+from bench.overlap_bound import (PassCosts, accepted_distribution, best_overlapped, overlapped_ms_per_token,
                                  sequential_ms_per_token)
 
 # step costs shaped like the H200 session-8 run (ms): decode 4.72, verify ~5.0, int8 draft 0.93
-COSTS = StepCosts(t_verify={1: 4.72, 2: 4.99, 3: 5.0, 4: 5.0, 5: 5.02, 6: 5.03, 7: 5.04, 8: 5.04, 9: 5.04},
+COSTS = PassCosts(t_verify={1: 4.72, 2: 4.99, 3: 5.0, 4: 5.0, 5: 5.02, 6: 5.03, 7: 5.04, 8: 5.04, 9: 5.04},
                   t_draft=0.93, t_pair_extra=0.35)
 
 
@@ -30,7 +30,7 @@ def test_sequential_pass_costs_its_parts_over_expected_tokens() -> None:
 def test_a_free_draft_is_never_slower_and_a_sure_branch_never_restarts() -> None:
     alpha, k, steps = 0.7, 4, 5
     # 5 steps of 0.93 ms hide inside a 5 ms verify; at 1.2 ms (a bf16 draft) they do not
-    slow_draft = StepCosts(t_verify=COSTS.t_verify, t_draft=1.2)
+    slow_draft = PassCosts(t_verify=COSTS.t_verify, t_draft=1.2)
     assert overlapped_ms_per_token(alpha, k, steps, COSTS, draft_free=True) == pytest.approx(
         overlapped_ms_per_token(alpha, k, steps, COSTS))
     assert overlapped_ms_per_token(alpha, k, steps, slow_draft, draft_free=True) < overlapped_ms_per_token(
