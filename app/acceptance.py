@@ -7,7 +7,26 @@ per-position acceptance  = accepted at position i / drafts that reached position
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def expected_tokens_per_step(alpha: float, k: int, per_position: Sequence[float] | None = None) -> float:
+    """Tokens the target emits per verify pass: E(k) = (1 - α^(k+1)) / (1 - α).
+
+    With `per_position` (P(accept at position i | all before accepted), i = 0..), E = 1 +
+    Σ_i Π_{j<=i} a_j; positions beyond the list fall back to `alpha`. The sum form is used for
+    both because it is exact at α → 1 (E = k + 1) where the closed form divides 0 by 0.
+    """
+    if k <= 0:
+        return 1.0
+    a = min(max(alpha, 0.0), 1.0)
+    total, survive = 1.0, 1.0  # the +1 is the target's own bonus/correction token
+    for i in range(k):
+        p = per_position[i] if per_position is not None and i < len(per_position) else a
+        survive *= min(max(p, 0.0), 1.0)
+        total += survive
+    return total
 
 
 @dataclass

@@ -195,6 +195,9 @@ class SpecStats:
     guesses_right: int = 0
     restarts: int = 0  # times the draft's chain was discarded
     draft_steps: int = 0
+    forks: int = 0  # branching: branch rows started (app/fast_branches.py)
+    branch_tries: int = 0  # rejections (or wrong bonus guesses) at a position that had a branch
+    branch_hits: int = 0  # ... whose branch started from the correction: adopted instead of a restart
     widths: dict[int, int] = field(default_factory=dict)  # proposals per pass -> passes
 
     @property
@@ -215,7 +218,7 @@ class SpecStats:
         return 1 + self.accepted / max(1, self.passes)
 
 
-def _verify(target: FastLlama, ids: torch.Tensor, position: int) -> torch.Tensor:
+def verify_pass(target: FastLlama, ids: torch.Tensor, position: int) -> torch.Tensor:
     """Queue the target's pass over ids `[1, w]` = `[last] + proposals` at `position`..; returns
     its argmax `[w]` (still on the device)."""
     ids = ids.to(target.device)
@@ -254,12 +257,12 @@ def speculative_generate(target: FastLlama, draft: GreedyLoop, prompt: torch.Ten
             draft.advance(k)
             stats.draft_steps += k
             p = k
-            choice_dev = _verify(target, draft.tokens[n: n + k + 1].view(1, -1), n)
+            choice_dev = verify_pass(target, draft.tokens[n: n + k + 1].view(1, -1), n)
             both = read_back(torch.cat([choice_dev, draft.tokens[n + 1: n + k + 1].to(choice_dev.device)])).tolist()
             choice, ready = both[: k + 1], both[k + 1:]
         else:
             p = min(k, len(ready))
-            choice_dev = _verify(target, to_device([last] + ready[:p], target.device), n)
+            choice_dev = verify_pass(target, to_device([last] + ready[:p], target.device), n)
             # keep the chain k+1 deep past what this pass can consume (k proposals + a bonus guess)
             steps = min(overlap_steps, max(1, k + 2 - (len(ready) - p)))
             lo = draft.next_position

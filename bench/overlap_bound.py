@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.policy.cost_model import expected_tokens_per_step
+from app.acceptance import expected_tokens_per_step
 
 DEFAULT_RUN = Path(__file__).parent / "results" / "gpu-h200x2-int8-session8.json"
 

@@ -1,0 +1,293 @@
+"""Overlapped drafting that survives a rejection: branches from the draft's runner-up tokens.
+
+In the overlapped loop (fast_decode.speculative_generate) the draft extends one chain while the
+target verifies; when the target rejects a proposal (or the chain's guess at the bonus token), the
+chain is discarded and the next pass verifies nothing while the draft refills: one pass at
+plain-decoding speed. That restart caps what overlap can gain, however cheap the draft
+(bench/overlap_bound.py: 1.20x over sequential at alpha 0.7 as built, 1.28x with a free draft).
+
+Here the draft keeps R batch rows of its cache. The `main` row extends the chain. While the target
+verifies `[last] + ready[:p]`, up to R - 1 other rows each draft a *branch*: at one of the p + 1
+positions being judged (the p proposals and the bonus guess), the branch starts from the draft's
+runner-up token for that position and drafts on from it. If the target rejects position i and its
+correction is that runner-up, the branch for i is already a block deep: it becomes the main row and
+the next pass verifies it at once. Otherwise the loop restarts as before. The output is the
+target's greedy output whatever happens: every token is still verified.
+
+Why rows, not a token tree: FastLlama already keeps one cache row per batch row with its own
+positions and mask, so a branch is a row whose cache below the branch point equals the main row's.
+A fork copies only the positions the row has not synced with the main row yet (accepted positions
+never change, so a row stays synced below them; a few positions per pass). The runner-up stays on
+the device. The rows step together as one batch in one CUDA graph. The bf16 1B draft reads its
+weights once for all rows: on an H200 a forward over 6-8 rows costs ~0.2 ms more than one row
+(bench/RESULTS.md section 2). An int8 draft's few-row kernels do not scale that way.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from app.fast_decode import SpecStats, read_back, to_device, verify_pass
+from app.fast_llama import FastLlama, capture_graph
+
+
+class BranchProposer(Protocol):
+    def __call__(self, top2: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """top2 `[R, 2]`: each row's argmax and runner-up for `position` `[R]` -> the pair to use `[R, 2]`."""
+
+
+class ControlledBranches:
+    """Benchmark-only proposer for random-weight models (fast_decode.ControlledAcceptance, with a
+    runner-up): each row's proposal for position p is the target's greedy token `reference[p]` with
+    probability alpha, a wrong token otherwise; when the proposal is wrong, the runner-up is the
+    target's token with probability beta (the draft's "second choice was right" rate), another
+    wrong token otherwise. The draft model still runs and its top-2 is still computed, so the cost
+    is real. Device-side and capture-safe: coins come from fixed tables indexed by a counter."""
+
+    def __init__(self, reference: torch.Tensor, alpha: float, beta: float, vocab: int, seed: int = 0,
+                 n_coins: int = 1 << 16) -> None:
+        self.reference = reference  # [max_len]: the target's greedy token at each position
+        dev = reference.device
+        self.right = torch.zeros(n_coins, dtype=torch.bool, device=dev)  # [n_coins]: proposal right
+        self.second = torch.zeros(n_coins, dtype=torch.bool, device=dev)  # [n_coins]: runner-up right
+        self.counter = torch.zeros(1, dtype=torch.long, device=dev)
+        self.vocab, self.n_coins = vocab, n_coins
+        self.reseed(alpha, beta, seed)
+
+    def reseed(self, alpha: float, beta: float, seed: int = 0) -> None:
+        """New rates, in place: a captured graph keeps reading the same tensors."""
+        gen = torch.Generator().manual_seed(seed)
+        self.right.copy_(torch.rand(self.n_coins, generator=gen) < alpha)
+        self.second.copy_(torch.rand(self.n_coins, generator=gen) < beta)
+        self.counter.zero_()
+        self.alpha, self.beta = alpha, beta
+
+    def __call__(self, top2: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        rows = top2.shape[0]
+        ref = self.reference[position]  # [R]
+        idx = (self.counter + torch.arange(rows, device=ref.device)) % self.n_coins  # [R]
+        self.counter.add_(rows)
+        right, second = self.right[idx], self.second[idx]  # [R]
+        wrong1, wrong2 = (ref + 1) % self.vocab, (ref + 2) % self.vocab
+        proposal = torch.where(right, ref, wrong1)
+        runner_up = torch.where(right, wrong1, torch.where(second, ref, wrong2))
+        return torch.stack([proposal, runner_up], dim=-1)  # [R, 2]
+
+
+class BranchingDraft:
+    """The draft's greedy loop over R cache rows: one main chain and up to R - 1 branches.
+
+    Every `advance()` step feeds each live row its current token at its own position, records the
+    argmax (the row's proposal for the next position) and the runner-up, and feeds the proposal
+    back, all rows in one batched forward (one CUDA graph replay). Rows not in use are parked at a
+    scratch position near the cache's end that no sequence reaches."""
+
+    def __init__(self, model: FastLlama, rows: int, propose: BranchProposer | None = None) -> None:
+        if rows < 2:
+            raise ValueError(f"rows={rows}: branching needs a main row and at least one branch row")
+        if model.max_batch < rows:
+            raise ValueError(f"the draft FastLlama holds {model.max_batch} cache rows, branching needs {rows}: "
+                             f"build it with max_batch={rows}")
+        self.model, self.rows, self.propose, self.device = model, rows, propose, model.device
+        self.max_len = model.max_len
+        self.park = self.max_len - 2  # parked rows feed here and propose for max_len - 1
+        R, dev = rows, self.device
+        self.tokens = torch.zeros((R, self.max_len), dtype=torch.long, device=dev)  # [R, max_len] proposals by position
+        self.runner_up = torch.zeros((R, self.max_len), dtype=torch.long, device=dev)  # [R, max_len]
+        self._tok = torch.zeros((R, 1), dtype=torch.long, device=dev)  # [R, 1] what each row feeds next
+        self._pos = torch.full((R, 1), self.park, dtype=torch.long, device=dev)  # [R, 1] at which position
+        self._live = torch.zeros(R, dtype=torch.bool, device=dev)  # [R]
+        self._rows = torch.arange(R, device=dev)  # [R]
+        self.main = 0
+        self.next_position = [self.park + 1] * R  # host mirror: where each row's next proposal lands
+        self._synced = [0] * R  # row r's K/V equals the main row's below this position
+        self._graph: torch.cuda.CUDAGraph | None = None
+        if dev.type == "cuda":
+            self._graph, _ = capture_graph(dev, self._step, self._park_all)
+            torch.cuda.synchronize(dev)
+
+    # ---- the batched step -----------------------------------------------------------------
+    def _step(self) -> None:
+        nxt_pos = self._pos[:, 0] + 1  # [R]
+        logits = self.model.forward(self._tok, self._pos, last_only=True)[:, -1]  # [R, vocab]
+        top2 = logits.topk(2, dim=-1).indices  # [R, 2]
+        if self.propose is not None:
+            top2 = self.propose(top2, nxt_pos)
+        self.tokens[self._rows, nxt_pos] = top2[:, 0]
+        self.runner_up[self._rows, nxt_pos] = top2[:, 1]
+        self._tok.copy_(top2[:, :1])
+        self._pos.copy_(torch.where(self._live, nxt_pos, self.park).view(-1, 1))
+
+    def _park_all(self) -> None:
+        self._pos.fill_(self.park)
+
+    # ---- row control (host side; no synchronisation) ---------------------------------------
+    def prefill(self, prompt: torch.Tensor) -> None:
+        """prompt `[1, P]`: K/V for positions 0..P-1 in row 0, which becomes the main row."""
+        prompt = prompt.to(self.device)
+        self._live.zero_()
+        self._pos.fill_(self.park)
+        self.next_position = [self.park + 1] * self.rows
+        self.main = 0
+        self._synced = [0] * self.rows
+        self.tokens[0, : prompt.shape[1]] = prompt[0]
+        self.model.prefill_last(prompt)
+
+    def restart(self, token: int, position: int) -> None:
+        """The main row feeds `token` at `position` next; its K/V below `position` must be valid.
+        Every other row is parked (its branch, if any, is dropped)."""
+        if position + 2 >= self.park:
+            raise ValueError(f"position {position} runs into the draft cache's scratch slots ({self.park}): raise max_len")
+        m = self.main
+        self._live.zero_()
+        self._live[m] = True
+        self._pos.fill_(self.park)
+        self._pos[m, 0] = position
+        self._tok[m, 0] = token
+        self.tokens[m, position] = token
+        self.next_position = [self.park + 1] * self.rows
+        self.next_position[m] = position + 1
+
+    def fork(self, row: int, position: int) -> None:
+        """Row `row` branches off the main row at `position`: it feeds the main row's runner-up for
+        that position, on a copy of the main row's K/V below it (the main row must have fed every
+        position below `position`)."""
+        m = self.main
+        if row == m:
+            raise ValueError(f"row {row} is the main row")
+        lo = min(self._synced[row], position)
+        if lo < position:
+            self.model.k_cache[:, row, lo:position].copy_(self.model.k_cache[:, m, lo:position])
+            self.model.v_cache[:, row, lo:position].copy_(self.model.v_cache[:, m, lo:position])
+            self.tokens[row, lo:position].copy_(self.tokens[m, lo:position])
+        self._synced[row] = position
+        self.tokens[row, position].copy_(self.runner_up[m, position])
+        self._tok[row, 0].copy_(self.runner_up[m, position])
+        self._pos[row, 0] = position
+        self._live[row] = True
+        self.next_position[row] = position + 1
+
+    def drop_branches(self) -> None:
+        """Park every row but the main one (last pass's branches)."""
+        for r in range(self.rows):
+            if r != self.main and self.next_position[r] <= self.park:
+                self._live[r] = False
+                self._pos[r, 0] = self.park
+                self.next_position[r] = self.park + 1
+
+    def adopt(self, row: int) -> None:
+        """The branch in `row` becomes the main chain; the old main row becomes a branch row."""
+        old = self.main
+        self.main = row
+        self._synced[old] = self._synced[row]  # they agree below the branch point
+        self._synced[row] = self.max_len
+
+    def commit(self, position: int) -> None:
+        """Positions below `position` are accepted (final): the main row never rewrites them, so a
+        row synced past them stays synced only up to here (the main row may rewrite the rest)."""
+        for r in range(self.rows):
+            if r != self.main:
+                self._synced[r] = min(self._synced[r], position)
+
+    def advance(self, steps: int) -> None:
+        """Queue `steps` batched steps (no host synchronisation)."""
+        furthest = max(p for r, p in enumerate(self.next_position) if p <= self.park)
+        if furthest + steps >= self.park:
+            raise ValueError(f"advancing to {furthest + steps} runs into the draft cache's scratch slots "
+                             f"({self.park}): raise max_len")
+        for _ in range(steps):
+            if self._graph is not None:
+                with torch.cuda.device(self.device):  # replay() uses the current device's stream
+                    self._graph.replay()
+            else:
+                self._step()
+            self.next_position = [p + 1 if p <= self.park else p for p in self.next_position]
+
+    def live_rows(self) -> list[int]:
+        return [r for r, p in enumerate(self.next_position) if p <= self.park]
+
+
+def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.Tensor, n_new: int, k: int,
+                       overlap_steps: int) -> tuple[list[int], SpecStats]:
+    """Overlapped greedy speculative decoding with runner-up branches; the output equals plain
+    greedy decoding of the target. The rules are speculative_generate's overlapped ones, plus: at
+    each pass, judged position i (0..p) gets a branch row when a row is free and the main row has
+    already fed the position before it; a rejection (or a wrong bonus guess) at i whose correction
+    is that branch's first token adopts the branch instead of restarting."""
+    if k < 1 or overlap_steps < 1:
+        raise ValueError(f"k={k}, overlap_steps={overlap_steps}: branching needs k >= 1 and overlap_steps >= 1 "
+                         "(it is the overlapped mode)")
+    P = prompt.shape[1]
+    needed = P + n_new + k + overlap_steps + 6
+    if needed > min(target.max_len, draft.park):
+        raise ValueError(f"prompt {P} + {n_new} new tokens needs caches of {needed}; target has {target.max_len}, "
+                         f"draft {draft.park} usable: raise max_len")
+    stats = SpecStats()
+    draft_prompt = prompt.to(draft.device)
+    first_dev = target.prefill_last(prompt.to(target.device))[0].argmax()  # []
+    draft.prefill(draft_prompt)  # queued before the host waits on the target's prefill
+    first = int(first_dev)
+    draft.restart(first, P)
+    out, last, n = [first], first, P  # `last` sits at position n and is not in the target's cache yet
+    ready: list[int] = []  # the main chain after `last`: its tokens for positions n+1, n+2, ...
+    while len(out) < n_new:
+        p = min(k, len(ready))
+        choice_dev = verify_pass(target, to_device([last] + ready[:p], target.device), n)
+        # the main row has fed `last` and ready[:-1]: a branch at n+1+i needs positions <= n+i fed
+        draft.drop_branches()
+        free = [r for r in range(draft.rows) if r != draft.main]
+        forks: dict[int, int] = {}  # judged index i -> row branching at position n+1+i
+        for i in range(min(p + 1, len(ready))):
+            if not free:
+                break
+            forks[i] = free.pop(0)
+            draft.fork(forks[i], n + 1 + i)
+        steps = min(overlap_steps, max(1, k + 2 - (len(ready) - p)))
+        lo = draft.next_position[draft.main]
+        if p == len(ready) and free:  # the bonus position is drafted by this pass's first step
+            draft.advance(1)
+            forks[p] = free.pop(0)
+            draft.fork(forks[p], n + 1 + p)
+            draft.advance(steps - 1)
+        else:
+            draft.advance(steps)
+        stats.draft_steps += steps
+        stats.forks += len(forks)
+        hi = max(draft.next_position[r] for r in draft.live_rows())
+        new = read_back(draft.tokens[:, n + 1: hi])  # [R, hi - n - 1]: every row's proposals, one copy
+        choice = choice_dev.tolist()  # [p + 1]: waits for the target only
+        rows = new.tolist()
+        ready += rows[draft.main][lo - n - 1: draft.next_position[draft.main] - n - 1]
+        a = 0
+        while a < p and choice[a] == ready[a]:
+            a += 1
+        stats.passes += 1
+        stats.drafted += p
+        stats.accepted += a
+        stats.checked += min(a + 1, p)
+        stats.widths[p] = stats.widths.get(p, 0) + 1
+        if a == p:  # all accepted: the chain's next token was its guess at the bonus
+            stats.guesses += 1
+        if a < p or ready[p] != choice[p]:  # rejected at a (or the bonus guess was wrong)
+            row = forks.get(a)
+            if row is not None:
+                stats.branch_tries += 1
+            if row is not None and rows[row][a] == choice[a]:  # the branch started from the correction
+                branch = rows[row][a + 1: draft.next_position[row] - n - 1]  # its proposals after it
+                draft.adopt(row)
+                ready = branch
+                stats.branch_hits += 1
+            else:
+                draft.restart(choice[a], n + a + 1)
+                ready = []
+                stats.restarts += 1
+        else:  # all accepted and the bonus guessed
+            ready = ready[p + 1:]
+            stats.guesses_right += 1
+        out += choice[: a + 1]
+        n += a + 1
+        last = out[-1]
+        draft.commit(n)
+    return out[:n_new], stats

@@ -1,0 +1,177 @@
+"""Overlapped drafting with runner-up branches against the sequential and one-chain overlapped loops.
+
+    python3 -m bench.gpu_branches [--alphas 0.5,0.7,0.9] [--betas 0.41,0.52] [--out bench/out/gpu-branches.json]
+
+Needs two GPUs of one host: the target (Llama-3.1-8B shaped, random bf16 weights) on cuda:0, the
+overlapped drafts (Llama-3.2-1B shaped) on cuda:1; the sequential drafts run on cuda:0 beside the
+target, as bench.gpu's do. Speed is measured at controlled acceptance, as in bench.gpu: the draft
+model really runs, but proposes the target's own token with probability alpha. Branching also needs
+a runner-up rate: when a proposal is wrong, the runner-up is the target's token with probability
+beta (`app.fast_branches.ControlledBranches`). The embedded trained pair's measured rates
+(bench/draft_agreement.py, bench/RESULTS.md section 2): 0.52 on code, 0.41 on prose.
+
+Rows, per alpha, all in one run on one card pair:
+- sequential, one CUDA graph per pass (app/fast_spec_graph.py), bf16 and int8 drafts: the baselines;
+- overlapped as built (one chain; fast_decode.speculative_generate), bf16 draft;
+- overlapped with branches (app/fast_branches.py), bf16 draft, k + 2 cache rows, at each beta.
+k and the overlap depth are chosen from this run's measured step costs by the loop's Markov chain
+(bench/overlap_bound.py; for branches, the draft step priced at its k + 2-row cost). Each row's
+output is checked against plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
+from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
+from app.fast_llama import FastLlama
+from app.fast_spec_graph import SpeculativePassGraph
+from bench.gpu import loop_step_time, random_llama, step_time, timed
+from bench.overlap_bound import PassCosts, overlapped_ms_per_token, sequential_ms_per_token
+
+VOCAB = 128256
+
+
+def branch_step_time(draft: BranchingDraft, reps: int = 50) -> float:
+    """One batched step over all of the draft's rows (seconds): parked rows cost the same as live ones."""
+    draft.restart(1, 200)
+    draft.advance(5)
+    draft.restart(1, 200)
+    return timed(lambda: draft.advance(reps)) / reps
+
+
+def measure(fn, n: int) -> tuple[float, object]:
+    """(tok/s, result) of fn() after one warm-up call."""
+    fn()
+    out: dict[str, object] = {}
+    seconds = timed(lambda: out.update(r=fn()))
+    return n / seconds, out["r"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--alphas", default="0.5,0.7,0.9")
+    parser.add_argument("--betas", default="0.41,0.52")
+    parser.add_argument("--max-k", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/gpu-branches.json"))
+    args = parser.parse_args()
+    # the drafts' fused elementwise ops (compile_elementwise, dynamic shapes) meet a new batch size per
+    # row count and per weights: more variants than Dynamo's default limit of 8 per function
+    torch._dynamo.config.recompile_limit = 64
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("bench.gpu_branches needs two GPUs of one host (the overlapped draft runs on cuda:1)")
+    n, P, max_k = args.new_tokens, args.prompt_tokens, args.max_k
+    t0 = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t0:.0f}s] {msg}", flush=True)  # noqa: E731
+    res: dict[str, object] = {"card": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
+                              "torch": torch.__version__, "new_tokens": n, "prompt_tokens": P}
+    target_hf, draft_hf0, draft_hf1 = random_llama("8b"), random_llama("1b"), random_llama("1b", "cuda:1")
+    prompt = torch.randint(0, VOCAB, (1, P), device="cuda:0", generator=torch.Generator("cuda").manual_seed(1))
+    max_len = P + n + 3 * max_k + 32
+    ft = FastLlama(target_hf, max_len=max_len, compile_elementwise=True, attention="grouped")
+    for w in range(1, max_k + 2):
+        ft.capture(w)
+    t_ver = {w: step_time(ft, w) * 1e3 for w in range(1, max_k + 2)}  # ms
+    plain_loop = GreedyLoop(ft)
+    plain_generate(plain_loop, prompt, 32)  # warm-up: the prefill's graph is captured on first use
+    reference: list[int] = []
+    plain_tok_s = (n + 3 * max_k + 16) / timed(lambda: reference.extend(plain_generate(plain_loop, prompt, n + 3 * max_k + 16)))
+    ref0 = torch.zeros(max_len, dtype=torch.long)
+    ref0[P: P + len(reference)] = torch.tensor(reference)
+    res.update(t_verify_8b_ms=t_ver, ours_plain_8b_tok_s=plain_tok_s)
+    log(f"plain 8B {plain_tok_s:.1f} tok/s; target pass ms by width { {w: round(t, 3) for w, t in t_ver.items()} }")
+
+    def fast_draft(device: str, weights: str, rows: int = 1) -> FastLlama:
+        hf = draft_hf0 if device == "cuda:0" else draft_hf1
+        return FastLlama(hf, max_batch=rows, max_len=max_len, attention="grouped", weights=weights,
+                         compile_elementwise=True)
+
+    alphas = [float(a) for a in args.alphas.split(",")]
+    betas = [float(b) for b in args.betas.split(",")]
+    rows: list[dict[str, object]] = []
+
+    def record(mode: str, weights: str, alpha: float, beta: float | None, k: int, L: int, tok_s: float,
+               out: list[int], stats, predicted_ms: float) -> None:
+        row = {"mode": mode, "draft_weights": weights, "alpha": alpha, "beta": beta, "k": k, "overlap_steps": L,
+               "tok_s": tok_s, "speedup_vs_plain": tok_s / plain_tok_s, "identical_to_plain": out == reference[:n],
+               "predicted_speedup": t_ver[1] / predicted_ms, "per_token_acceptance": stats.per_token_acceptance,
+               "passes": stats.passes, "restarts": stats.restarts, "forks": stats.forks,
+               "branch_tries": stats.branch_tries, "branch_hits": stats.branch_hits,
+               "branch_hit_rate": stats.branch_hits / max(1, stats.branch_tries)}
+        rows.append(row)
+        log(json.dumps(row))
+
+    # sequential baselines (draft beside the target on cuda:0), one graph per pass
+    for weights in ("bf16", "int8"):
+        loop = GreedyLoop(fast_draft("cuda:0", weights), ControlledAcceptance(ref0.to("cuda:0"), 1.0, vocab=VOCAB, seed=7))
+        t_d = loop_step_time(loop) * 1e3
+        res[f"t_draft_ms_sequential_{weights}"] = t_d
+        costs = PassCosts(t_verify=t_ver, t_draft=t_d, t_pair_extra=0.0)
+        for alpha in alphas:
+            ms, k = min((sequential_ms_per_token(alpha, k, costs), k) for k in range(1, max_k + 1))
+            graph = SpeculativePassGraph(ft, loop, k)
+            loop.propose.reseed(alpha, seed=7)
+            tok_s, (out, stats) = measure(lambda: graph.generate(prompt, n), n)
+            record("sequential-graph", weights, alpha, None, k, 0, tok_s, out, stats, ms)
+        del loop
+        torch.cuda.empty_cache()
+
+    # overlapped, one chain, bf16 draft on cuda:1
+    ref1 = ref0.to("cuda:1")
+    chain = GreedyLoop(fast_draft("cuda:1", "bf16"), ControlledAcceptance(ref1, 1.0, vocab=VOCAB, seed=7))
+    t_d1 = loop_step_time(chain) * 1e3
+    res["t_draft_ms_overlapped_bf16"] = t_d1
+    log(f"draft step (ms): sequential bf16 {res['t_draft_ms_sequential_bf16']:.3f}, int8 "
+        f"{res['t_draft_ms_sequential_int8']:.3f}; overlapped bf16 one row {t_d1:.3f}")
+    one_row = PassCosts(t_verify=t_ver, t_draft=t_d1)
+    for alpha in alphas:
+        ms, k, L = min((overlapped_ms_per_token(alpha, k, L, one_row), k, L)
+                       for k in range(1, max_k + 1) for L in range(1, k + 3))
+        chain.propose.reseed(alpha, seed=7)
+        tok_s, (out, stats) = measure(lambda: speculative_generate(ft, chain, prompt, n, k, overlap_steps=L), n)
+        record("overlapped", "bf16", alpha, None, k, L, tok_s, out, stats, ms)
+    del chain
+    torch.cuda.empty_cache()
+
+    # overlapped with branches: one draft model with k + 2 cache rows at most, a BranchingDraft per row count
+    model = fast_draft("cuda:1", "bf16", rows=max_k + 2)
+    propose = ControlledBranches(ref1, 1.0, 0.0, vocab=VOCAB, seed=7)
+    drafts = {r: BranchingDraft(model, r, propose) for r in range(3, max_k + 3)}
+    t_rows = {r: branch_step_time(d) * 1e3 for r, d in drafts.items()}
+    res["t_draft_ms_by_rows_bf16"] = t_rows
+    log(f"bf16 draft step by rows (ms): { {r: round(t, 3) for r, t in t_rows.items()} }")
+    for alpha in alphas:
+        for beta in betas:
+            ms, k, L = min((overlapped_ms_per_token(alpha, k, L, PassCosts(t_verify=t_ver, t_draft=t_rows[k + 2]),
+                                                    branch_hit=beta), k, L)
+                           for k in range(1, max_k + 1) for L in range(1, k + 3))
+            propose.reseed(alpha, beta, seed=7)
+            tok_s, (out, stats) = measure(lambda: branching_generate(ft, drafts[k + 2], prompt, n, k, L), n)
+            record("branching", "bf16", alpha, beta, k, L, tok_s, out, stats, ms)
+    res["rows"] = rows
+    res["wall_s"] = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    seq = {(r["draft_weights"], r["alpha"]): r["tok_s"] for r in rows if r["mode"] == "sequential-graph"}
+    print(f"\n{res['card']} x{res['gpus']}, {n} new tokens after a {P}-token prompt, batch 1, greedy; "
+          f"plain 8B {plain_tok_s:.1f} tok/s")
+    print(f"{'mode':18} {'draft':5} {'α':>4} {'β':>5} {'k':>2} {'L':>2} {'tok/s':>7} {'vs plain':>8} {'pred.':>6} "
+          f"{'/ seq bf16':>10} {'/ seq int8':>10} {'hits':>9} same")
+    for r in rows:
+        beta = "-" if r["beta"] is None else f"{r['beta']:.2f}"
+        print(f"{r['mode']:18} {r['draft_weights']:5} {r['alpha']:4.1f} {beta:>5} {r['k']:2d} {r['overlap_steps']:2d} "
+              f"{r['tok_s']:7.1f} {r['speedup_vs_plain']:8.2f} {r['predicted_speedup']:6.2f} "
+              f"{r['tok_s'] / seq['bf16', r['alpha']]:10.2f} {r['tok_s'] / seq['int8', r['alpha']]:10.2f} "
+              f"{r['branch_hits']:4d}/{r['branch_tries']:<4d} {r['identical_to_plain']}")
+
+
+if __name__ == "__main__":
+    main()

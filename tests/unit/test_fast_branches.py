@@ -1,0 +1,105 @@
+"""Branching overlapped drafting (app/fast_branches.py), run eagerly on the CPU with the embedded pair.
+
+Whatever the branches propose, the output must be the target's plain greedy output. The statistics
+must say what happened: with the pair's own top-2 some rejections are caught by a branch; with
+controlled acceptance, a runner-up that is always right turns every rejection at a branched
+position into a branch hit, and one that is never right turns none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
+from app.fast_decode import GreedyLoop, plain_generate, speculative_generate
+from app.fast_llama import FastLlama
+
+N_NEW = 40
+MAX_LEN = 160
+
+
+@pytest.fixture(scope="module")
+def hf_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    return load("models/target"), load("models/draft")
+
+
+@pytest.fixture(scope="module")
+def prompt(encode) -> torch.Tensor:
+    return torch.tensor([encode("import os\n\ndef list_python_files(path):\n")])
+
+
+@pytest.fixture(scope="module")
+def full(hf_pair, prompt) -> list[int]:
+    """The target's greedy output, long enough for a reference the draft can run ahead on."""
+    return plain_generate(GreedyLoop(FastLlama(hf_pair[0], max_len=MAX_LEN)), prompt, N_NEW + 16)
+
+
+def _branching(hf_pair, prompt, k: int, steps: int, rows: int, propose=None):
+    target = FastLlama(hf_pair[0], max_len=MAX_LEN)
+    draft = BranchingDraft(FastLlama(hf_pair[1], max_batch=rows, max_len=MAX_LEN), rows, propose)
+    return branching_generate(target, draft, prompt, N_NEW, k, steps)
+
+
+def _reference(prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    ref = torch.zeros(MAX_LEN, dtype=torch.long)
+    ref[prompt.shape[1]: prompt.shape[1] + len(tokens)] = torch.tensor(tokens)
+    return ref
+
+
+@pytest.mark.parametrize("k,steps,rows", [(1, 2, 2), (3, 4, 5), (4, 5, 3), (6, 7, 8)])
+def test_the_pairs_own_proposals_give_the_plain_output(hf_pair, prompt, full, k, steps, rows) -> None:
+    out, stats = _branching(hf_pair, prompt, k, steps, rows)
+    assert out == full[:N_NEW]
+    assert stats.accepted > 0 and stats.forks > 0
+    assert stats.drafted == sum(p * n for p, n in stats.widths.items()) and max(stats.widths) <= k
+    assert stats.branch_hits <= stats.branch_tries
+
+
+def test_the_pairs_runner_up_catches_some_rejections(hf_pair, prompt, full) -> None:
+    # the trained pair: its runner-up is the target's token in about half of the rejections on
+    # code (bench/draft_agreement.py), so over 40 tokens at least one branch is adopted
+    out, stats = _branching(hf_pair, prompt, 4, 5, 6)
+    assert out == full[:N_NEW]
+    assert stats.branch_hits > 0
+    # an adopted branch replaces a restart: fewer restarts than the one-chain loop's
+    one_chain = GreedyLoop(FastLlama(hf_pair[1], max_len=MAX_LEN))
+    _, chain_stats = speculative_generate(FastLlama(hf_pair[0], max_len=MAX_LEN), one_chain, prompt, N_NEW, 4,
+                                          overlap_steps=5)
+    assert stats.restarts < chain_stats.restarts
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_controlled_runner_up(hf_pair, prompt, full, beta) -> None:
+    propose = ControlledBranches(_reference(prompt, full), alpha=0.6, beta=beta, vocab=4096, seed=3)
+    out, stats = _branching(hf_pair, prompt, 3, 4, 5, propose)
+    assert out == full[:N_NEW]
+    assert 0 < stats.accepted < stats.drafted
+    assert stats.branch_tries > 0
+    if beta == 0.0:
+        assert stats.branch_hits == 0
+    else:  # every branched rejection is caught
+        assert stats.branch_hits == stats.branch_tries
+
+
+def test_controlled_alpha_one_never_restarts(hf_pair, prompt, full) -> None:
+    propose = ControlledBranches(_reference(prompt, full), alpha=1.0, beta=0.0, vocab=4096)
+    out, stats = _branching(hf_pair, prompt, 3, 4, 4, propose)
+    assert out == full[:N_NEW]
+    assert stats.restarts == 0 and stats.branch_tries == 0 and stats.acceptance_rate == 1.0
+
+
+def test_what_it_cannot_do_is_refused(hf_pair, prompt) -> None:
+    draft_model = FastLlama(hf_pair[1], max_batch=2, max_len=MAX_LEN)
+    with pytest.raises(ValueError, match="max_batch=4"):
+        BranchingDraft(draft_model, 4)
+    with pytest.raises(ValueError, match="at least one branch row"):
+        BranchingDraft(draft_model, 1)
+    draft = BranchingDraft(draft_model, 2)
+    target = FastLlama(hf_pair[0], max_len=MAX_LEN)
+    with pytest.raises(ValueError, match="overlapped mode"):
+        branching_generate(target, draft, prompt, N_NEW, 3, 0)
+    with pytest.raises(ValueError, match="raise max_len"):
+        branching_generate(target, draft, prompt, MAX_LEN, 3, 4)
