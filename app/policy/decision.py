@@ -129,10 +129,14 @@ class PolicyConfig(_Strict):
                     "(prose) pseudo-trials; lighter, a few lucky steps made sequences look far better than their "
                     "class and the planner drafted on noise")
     acceptance_optimism: float = Field(
-        1.0, ge=0.0,
+        0.0, ge=0.0,
         description="standard deviations added to a sequence's own acceptance estimate when the step planner "
                     "decides whether it drafts (app/acceptance.py token_alpha_upper; its depth comes from the "
-                    "mean): keeps an unlucky start from freezing it plain")
+                    "mean). It kept an unlucky start from freezing a sequence plain when the prior weighed 8 "
+                    "pseudo-trials; at 24 one rejected draft moves the estimate 0.03, not 0.09, and the optimism "
+                    "(~0.09 for a fresh sequence) made the planner draft where the mean said plain: at 1 stream "
+                    "auto drafted in about half the steps and lost 4 % to 'off' (bench/RESULTS.md section 7, "
+                    "session 11). 0: decide on the mean")
     acceptance_half_life_tokens: float = Field(512.0, gt=0)
     length_window: int = Field(256, ge=1)
     length_quantile: float = Field(0.9, gt=0.0, lt=1.0)
