@@ -100,6 +100,7 @@ class BranchingDraft:
         self._pos = torch.full((R, 1), self.park, dtype=torch.long, device=dev)  # [R, 1] at which position
         self._live = torch.zeros(R, dtype=torch.bool, device=dev)  # [R]
         self._rows = torch.arange(R, device=dev)  # [R]
+        self._others = ~torch.eye(R, dtype=torch.bool, device=dev)  # [R, R]: row m's "every row but m"
         self.main = 0
         self.next_position = [self.park + 1] * R  # host mirror: where each row's next proposal lands
         self._synced = [0] * R  # row r's K/V equals the main row's below this position
@@ -150,32 +151,42 @@ class BranchingDraft:
         self.next_position = [self.park + 1] * self.rows
         self.next_position[m] = position + 1
 
-    def fork(self, row: int, position: int) -> None:
-        """Row `row` branches off the main row at `position`: it feeds the main row's runner-up for
-        that position, on a copy of the main row's K/V below it (the main row must have fed every
-        position below `position`)."""
+    def fork(self, rows: list[int], positions: list[int]) -> None:
+        """Each of `rows` branches off the main row at its position: it feeds the main row's
+        runner-up for that position, on a copy of the main row's K/V below it (the main row must
+        have fed every position below it). All of them in a handful of kernels, whatever their
+        number: the host queues these while the target verifies, and the draft starts only after.
+        One copy of the main row's span [lo, hi) serves every row: a row's entries past its own
+        position are masked, then overwritten by its branch."""
         m = self.main
-        if row == m:
-            raise ValueError(f"row {row} is the main row")
-        lo = min(self._synced[row], position)
-        if lo < position:
-            self.model.k_cache[:, row, lo:position].copy_(self.model.k_cache[:, m, lo:position])
-            self.model.v_cache[:, row, lo:position].copy_(self.model.v_cache[:, m, lo:position])
-            self.tokens[row, lo:position].copy_(self.tokens[m, lo:position])
-        self._synced[row] = position
-        self.tokens[row, position].copy_(self.runner_up[m, position])
-        self._tok[row, 0].copy_(self.runner_up[m, position])
-        self._pos[row, 0] = position
-        self._live[row] = True
-        self.next_position[row] = position + 1
+        if not rows:
+            return
+        if m in rows or len(set(rows)) != len(rows) or len(rows) != len(positions):
+            raise ValueError(f"fork rows {rows} must be distinct, exclude the main row {m} and match {positions}")
+        lo = min(min(self._synced[r], q) for r, q in zip(rows, positions))
+        hi = max(positions)
+        idx = to_device(rows, self.device)[0]  # [F]
+        pos = to_device(positions, self.device)[0]  # [F]
+        if lo < hi:
+            span = slice(lo, hi)
+            self.model.k_cache[:, idx, span] = self.model.k_cache[:, m, span].unsqueeze(1)  # [layers, F, hi-lo, KV, D]
+            self.model.v_cache[:, idx, span] = self.model.v_cache[:, m, span].unsqueeze(1)
+            self.tokens[idx, span] = self.tokens[m, span]
+        first = self.runner_up[m, pos]  # [F]
+        self.tokens[idx, pos] = first
+        self._tok[idx, 0] = first
+        self._pos[idx, 0] = pos
+        self._live[idx] = True
+        for r, q in zip(rows, positions):
+            self._synced[r] = q
+            self.next_position[r] = q + 1
 
     def drop_branches(self) -> None:
         """Park every row but the main one (last pass's branches)."""
-        for r in range(self.rows):
-            if r != self.main and self.next_position[r] <= self.park:
-                self._live[r] = False
-                self._pos[r, 0] = self.park
-                self.next_position[r] = self.park + 1
+        others = self._others[self.main]  # [R] bool
+        self._live.masked_fill_(others, False)
+        self._pos.masked_fill_(others.view(-1, 1), self.park)
+        self.next_position = [p if r == self.main else self.park + 1 for r, p in enumerate(self.next_position)]
 
     def adopt(self, row: int) -> None:
         """The branch in `row` becomes the main chain; the old main row becomes a branch row."""
@@ -238,18 +249,15 @@ def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.T
         # the main row has fed `last` and ready[:-1]: a branch at n+1+i needs positions <= n+i fed
         draft.drop_branches()
         free = [r for r in range(draft.rows) if r != draft.main]
-        forks: dict[int, int] = {}  # judged index i -> row branching at position n+1+i
-        for i in range(min(p + 1, len(ready))):
-            if not free:
-                break
-            forks[i] = free.pop(0)
-            draft.fork(forks[i], n + 1 + i)
+        forks = dict(zip(range(min(p + 1, len(ready))), free))  # judged index i -> row branching at n+1+i
+        draft.fork(list(forks.values()), [n + 1 + i for i in forks])
+        free = free[len(forks):]
         steps = min(overlap_steps, max(1, k + 2 - (len(ready) - p)))
         lo = draft.next_position[draft.main]
         if p == len(ready) and free:  # the bonus position is drafted by this pass's first step
             draft.advance(1)
             forks[p] = free.pop(0)
-            draft.fork(forks[p], n + 1 + p)
+            draft.fork([forks[p]], [n + 1 + p])
             draft.advance(steps - 1)
         else:
             draft.advance(steps)

@@ -13,9 +13,10 @@ beta (`app.fast_branches.ControlledBranches`). The embedded trained pair's measu
 Rows, per alpha, all in one run on one card pair:
 - sequential, one CUDA graph per pass (app/fast_spec_graph.py), bf16 and int8 drafts: the baselines;
 - overlapped as built (one chain; fast_decode.speculative_generate), bf16 draft;
-- overlapped with branches (app/fast_branches.py), bf16 draft, k + 2 cache rows, at each beta.
+- overlapped with branches (app/fast_branches.py), bf16 draft, R cache rows (1 main + R - 1 branches), at each beta.
 k and the overlap depth are chosen from this run's measured step costs by the loop's Markov chain
-(bench/overlap_bound.py; for branches, the draft step priced at its k + 2-row cost). Each row's
+(bench/overlap_bound.py; for branches also R, the loop as built with its draft step priced at its R-row
+cost). Each row's
 output is checked against plain greedy decoding.
 """
 
@@ -32,7 +33,7 @@ from app.fast_branches import BranchingDraft, ControlledBranches, branching_gene
 from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
 from app.fast_llama import FastLlama
 from app.fast_spec_graph import SpeculativePassGraph
-from bench.gpu import loop_step_time, random_llama, step_time, timed
+from bench.gpu import BusyTimer, loop_step_time, random_llama, step_time, timed
 from bench.overlap_bound import PassCosts, overlapped_ms_per_token, sequential_ms_per_token
 
 VOCAB = 128256
@@ -46,12 +47,28 @@ def branch_step_time(draft: BranchingDraft, reps: int = 50) -> float:
     return timed(lambda: draft.advance(reps)) / reps
 
 
-def measure(fn, n: int) -> tuple[float, object]:
-    """(tok/s, result) of fn() after one warm-up call."""
+def measure(fn, n: int, reps: int = 5) -> tuple[float, object]:
+    """(tok/s of the median call, result) of `reps` calls of fn() after one warm-up call. The calls
+    are identical (seeded coins: the same passes, branches and hits), yet one call's wall time
+    varied by up to 12 % between two runs of this script (bench/RESULTS.md section 2), so one call
+    is not a measurement."""
     fn()
     out: dict[str, object] = {}
-    seconds = timed(lambda: out.update(r=fn()))
-    return n / seconds, out["r"]
+    seconds = sorted(timed(lambda: out.update(r=fn())) for _ in range(reps))
+    return n / seconds[reps // 2], out["r"]
+
+
+def busy_per_pass(target: FastLlama, draft, fn) -> dict[str, float]:
+    """One more call of fn() with CUDA events around every target pass and every batch of draft
+    steps (bench.gpu.BusyTimer): ms per pass of wall time, target busy and draft busy. Where the
+    wall time exceeds the target's busy time the target waited: for the draft, or for the host."""
+    timer = BusyTimer(target, draft)
+    out: dict[str, object] = {}
+    wall = timed(lambda: out.update(r=fn()))
+    busy = timer.finish()
+    passes = out["r"][1].passes
+    return {"wall_ms_per_pass": wall / passes * 1e3, "target_busy_ms_per_pass": busy["target_busy_s"] / passes * 1e3,
+            "draft_busy_ms_per_pass": busy["draft_busy_s"] / passes * 1e3}
 
 
 def main() -> None:
@@ -136,26 +153,35 @@ def main() -> None:
         ms, k, L = min((overlapped_ms_per_token(alpha, k, L, one_row), k, L)
                        for k in range(1, max_k + 1) for L in range(1, k + 3))
         chain.propose.reseed(alpha, seed=7)
-        tok_s, (out, stats) = measure(lambda: speculative_generate(ft, chain, prompt, n, k, overlap_steps=L), n)
+        go = lambda: speculative_generate(ft, chain, prompt, n, k, overlap_steps=L)  # noqa: E731
+        tok_s, (out, stats) = measure(go, n)
         record("overlapped", "bf16", alpha, None, k, L, tok_s, out, stats, ms)
+        rows[-1]["busy"] = busy_per_pass(ft, chain, go)
+        log(f"  per pass: {rows[-1]['busy']}")
     del chain
     torch.cuda.empty_cache()
 
-    # overlapped with branches: one draft model with k + 2 cache rows at most, a BranchingDraft per row count
+    # overlapped with branches: one draft model with max_k + 2 cache rows, a BranchingDraft per row count
     model = fast_draft("cuda:1", "bf16", rows=max_k + 2)
     propose = ControlledBranches(ref1, 1.0, 0.0, vocab=VOCAB, seed=7)
-    drafts = {r: BranchingDraft(model, r, propose) for r in range(3, max_k + 3)}
+    drafts = {r: BranchingDraft(model, r, propose) for r in range(2, max_k + 3)}
     t_rows = {r: branch_step_time(d) * 1e3 for r, d in drafts.items()}
     res["t_draft_ms_by_rows_bf16"] = t_rows
     log(f"bf16 draft step by rows (ms): { {r: round(t, 3) for r, t in t_rows.items()} }")
     for alpha in alphas:
         for beta in betas:
-            ms, k, L = min((overlapped_ms_per_token(alpha, k, L, PassCosts(t_verify=t_ver, t_draft=t_rows[k + 2]),
-                                                    branch_hit=beta), k, L)
-                           for k in range(1, max_k + 1) for L in range(1, k + 3))
+            # the loop as built (branch_rows): k, overlap steps and rows (1 main + R - 1 branches) from
+            # this run's costs, the draft step priced at its R-row cost
+            ms, k, L, R = min((overlapped_ms_per_token(alpha, k, L, PassCosts(t_verify=t_ver, t_draft=t_rows[R]),
+                                                       branch_hit=beta, branch_rows=R - 1), k, L, R)
+                              for k in range(1, max_k + 1) for L in range(1, k + 3) for R in range(2, k + 3))
             propose.reseed(alpha, beta, seed=7)
-            tok_s, (out, stats) = measure(lambda: branching_generate(ft, drafts[k + 2], prompt, n, k, L), n)
+            go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L)  # noqa: E731
+            tok_s, (out, stats) = measure(go, n)
             record("branching", "bf16", alpha, beta, k, L, tok_s, out, stats, ms)
+            rows[-1]["rows"] = R
+            rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
+            log(f"  per pass: {rows[-1]['busy']}")
     res["rows"] = rows
     res["wall_s"] = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -163,11 +189,12 @@ def main() -> None:
     seq = {(r["draft_weights"], r["alpha"]): r["tok_s"] for r in rows if r["mode"] == "sequential-graph"}
     print(f"\n{res['card']} x{res['gpus']}, {n} new tokens after a {P}-token prompt, batch 1, greedy; "
           f"plain 8B {plain_tok_s:.1f} tok/s")
-    print(f"{'mode':18} {'draft':5} {'α':>4} {'β':>5} {'k':>2} {'L':>2} {'tok/s':>7} {'vs plain':>8} {'pred.':>6} "
+    print(f"{'mode':18} {'draft':5} {'α':>4} {'β':>5} {'k':>2} {'L':>2} {'R':>2} {'tok/s':>7} {'vs plain':>8} {'pred.':>6} "
           f"{'/ seq bf16':>10} {'/ seq int8':>10} {'hits':>9} same")
     for r in rows:
         beta = "-" if r["beta"] is None else f"{r['beta']:.2f}"
         print(f"{r['mode']:18} {r['draft_weights']:5} {r['alpha']:4.1f} {beta:>5} {r['k']:2d} {r['overlap_steps']:2d} "
+              f"{r.get('rows', 1):2d} "
               f"{r['tok_s']:7.1f} {r['speedup_vs_plain']:8.2f} {r['predicted_speedup']:6.2f} "
               f"{r['tok_s'] / seq['bf16', r['alpha']]:10.2f} {r['tok_s'] / seq['int8', r['alpha']]:10.2f} "
               f"{r['branch_hits']:4d}/{r['branch_tries']:<4d} {r['identical_to_plain']}")

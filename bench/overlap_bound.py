@@ -60,9 +60,16 @@ def sequential_ms_per_token(alpha: float, k: int, costs: PassCosts) -> float:
 
 def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: PassCosts, *, draft_free: bool = False,
                             restart_wait: int = 0, branch_hit: float = 0.0, branch_step_extra: float = 0.0,
-                            tolerance: float = 1e-12) -> float:
+                            branch_rows: int | None = None, tolerance: float = 1e-12) -> float:
     """Expected ms per output token of the overlapped loop's rules (`speculative_generate`,
-    `predicted_tokens_per_second`), solved as a Markov chain over the ready count."""
+    `predicted_tokens_per_second`), solved as a Markov chain over the ready count.
+
+    `branch_rows=None`: the what-if of session 10, a branch from the right correction is there with
+    probability `branch_hit` after any rejection and is as deep as the chain would have been.
+    `branch_rows=B`: the loop as built (app/fast_branches.branching_generate): at most B branches a
+    pass, one per judged index i < min(p + 1, ready) from the pass's start, plus the bonus index p
+    after the first step when the chain held only p; an adopted branch holds the steps it drafted
+    (one fewer for the late bonus branch), not the chain's depth."""
     # drafting branches beside the chain makes every draft step a wider batch: branch_step_extra ms more
     t_draft = 0.0 if draft_free else costs.t_draft + (branch_step_extra if branch_hit > 0 else 0.0)
     cap = k + 2 + overlap_steps + restart_wait + 1  # no reachable state holds more ready tokens
@@ -83,12 +90,20 @@ def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: Pas
             steps = min(overlap_steps, max(1, k + 2 - (ready - p)))
             after = ready + steps
             ms += w * (wait + max(costs.t_verify[p + 1], steps * t_draft))
+            early = min(p + 1, ready, branch_rows if branch_rows is not None else p + 1)  # branched from the start
+            late = branch_rows is not None and ready == p and early < branch_rows  # the bonus, after one step
             for a, q in enumerate(accepted_distribution(alpha, p)):
                 tokens += w * q * (a + 1)
-                survive = alpha if a == p else 0.0  # all accepted and the bonus guessed
-                survive += (1 - survive) * branch_hit  # a branch from the correction was ready
-                nxt[min(cap, max(0, after - (a + 1)))] += w * q * survive
-                nxt[0] += w * q * (1 - survive)
+                chain = alpha if a == p else 0.0  # all accepted and the bonus guessed
+                if branch_rows is None:  # a branch as deep as the chain
+                    chain += (1 - chain) * branch_hit
+                    nxt[0] += w * q * (1 - chain)
+                else:
+                    covered = a < early or (a == p and late)
+                    hit = (1 - chain) * branch_hit if covered else 0.0
+                    nxt[steps if a < early else steps - 1] += w * q * hit
+                    nxt[0] += w * q * (1 - chain - hit)
+                nxt[min(cap, max(0, after - (a + 1)))] += w * q * chain
         converged = sum(abs(x - y) for x, y in zip(dist, nxt)) < tolerance
         dist = nxt
         if converged:

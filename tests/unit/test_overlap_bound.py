@@ -61,3 +61,42 @@ def test_branches_help_only_as_far_as_their_rows_are_paid_for() -> None:
     assert free < paid and free < plain
     # a branch that never hits is pure cost, and a free one that never hits changes nothing
     assert overlapped_ms_per_token(0.7, 4, 5, COSTS, branch_hit=0.0, branch_step_extra=0.35) == pytest.approx(plain)
+
+
+def _sampled_branching_ms_per_token(alpha: float, beta: float, k: int, steps_cap: int, rows: int,
+                                    n_passes: int = 200_000, seed: int = 1) -> float:
+    """app/fast_branches.branching_generate's rules, sampled pass by pass on the costs above: which
+    judged indices get a branch row (from the start, or the bonus after the first step), what an
+    adopted branch holds (the steps it drafted), and that the draft's steps bound the pass."""
+    import random
+
+    rng = random.Random(seed)
+    ready, ms, tokens = 0, 0.0, 0
+    for _ in range(n_passes):
+        p = min(k, ready)
+        steps = min(steps_cap, max(1, k + 2 - (ready - p)))
+        forks = {i: steps for i in range(min(p + 1, ready, rows))}  # judged index -> steps its branch drafts
+        if ready == p and len(forks) < rows:
+            forks[p] = steps - 1
+        ms += max(COSTS.t_verify[p + 1], steps * COSTS.t_draft)
+        chain = ready + steps
+        a = 0
+        while a < p and rng.random() < alpha:
+            a += 1
+        tokens += a + 1
+        if a == p and rng.random() < alpha:  # all accepted and the bonus guessed
+            ready = chain - (a + 1)
+        elif a in forks and rng.random() < beta:  # the branch started from the correction
+            ready = forks[a]
+        else:
+            ready = 0
+    return ms / tokens
+
+
+@pytest.mark.parametrize("alpha,beta,k,steps,rows", [(0.7, 0.5, 4, 3, 5), (0.7, 0.5, 4, 5, 2), (0.5, 0.8, 3, 2, 4),
+                                                     (0.9, 0.4, 6, 4, 7)])
+def test_the_built_branching_loop_matches_its_sampled_rules(alpha, beta, k, steps, rows) -> None:
+    exact = overlapped_ms_per_token(alpha, k, steps, COSTS, branch_hit=beta, branch_rows=rows)
+    assert exact == pytest.approx(_sampled_branching_ms_per_token(alpha, beta, k, steps, rows), rel=0.01)
+    # fewer rows, or branches only as deep as they drafted, never beat the session-10 what-if
+    assert exact >= overlapped_ms_per_token(alpha, k, steps, COSTS, branch_hit=beta) - 1e-12
