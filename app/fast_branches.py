@@ -221,12 +221,18 @@ class BranchingDraft:
 
 
 def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.Tensor, n_new: int, k: int,
-                       overlap_steps: int) -> tuple[list[int], SpecStats]:
+                       overlap_steps: int, draft_first: bool = False) -> tuple[list[int], SpecStats]:
     """Overlapped greedy speculative decoding with runner-up branches; the output equals plain
     greedy decoding of the target. The rules are speculative_generate's overlapped ones, plus: at
     each pass, judged position i (0..p) gets a branch row when a row is free and the main row has
     already fed the position before it; a rejection (or a wrong bonus guess) at i whose correction
-    is that branch's first token adopts the branch instead of restarting."""
+    is that branch's first token adopts the branch instead of restarting.
+
+    `draft_first`: queue each pass's draft work (forks, steps, the read of its rows) before the
+    target's verify instead of after. The draft is the busier GPU at the depths the chain picks, so
+    starting it first looked free; measured, it is not (bench/RESULTS.md section 2, run 6: 7.75 ms a
+    pass against 5.83-6.00 with the verify first, 2x H200): the host stops at the read of the
+    draft's rows, and the target's pass is queued only after it. Kept for re-measuring; off."""
     if k < 1 or overlap_steps < 1:
         raise ValueError(f"k={k}, overlap_steps={overlap_steps}: branching needs k >= 1 and overlap_steps >= 1 "
                          "(it is the overlapped mode)")
@@ -245,7 +251,8 @@ def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.T
     ready: list[int] = []  # the main chain after `last`: its tokens for positions n+1, n+2, ...
     while len(out) < n_new:
         p = min(k, len(ready))
-        choice_dev = verify_pass(target, to_device([last] + ready[:p], target.device), n)
+        if not draft_first:
+            choice_dev = verify_pass(target, to_device([last] + ready[:p], target.device), n)
         # the main row has fed `last` and ready[:-1]: a branch at n+1+i needs positions <= n+i fed
         draft.drop_branches()
         free = [r for r in range(draft.rows) if r != draft.main]
@@ -265,6 +272,8 @@ def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.T
         stats.forks += len(forks)
         hi = max(draft.next_position[r] for r in draft.live_rows())
         new = read_back(draft.tokens[:, n + 1: hi])  # [R, hi - n - 1]: every row's proposals, one copy
+        if draft_first:
+            choice_dev = verify_pass(target, to_device([last] + ready[:p], target.device), n)
         choice = choice_dev.tolist()  # [p + 1]: waits for the target only
         rows = new.tolist()
         ready += rows[draft.main][lo - n - 1: draft.next_position[draft.main] - n - 1]

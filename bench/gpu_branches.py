@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--alphas", default="0.5,0.7,0.9")
     parser.add_argument("--betas", default="0.41,0.52")
     parser.add_argument("--max-k", type=int, default=6)
+    parser.add_argument("--both-orders", action="store_true",
+                        help="also run each branching row with the draft's work queued before the target's verify")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu-branches.json"))
     args = parser.parse_args()
     # the drafts' fused elementwise ops (compile_elementwise, dynamic shapes) meet a new batch size per
@@ -182,6 +184,13 @@ def main() -> None:
             rows[-1]["rows"] = R
             rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
             log(f"  per pass: {rows[-1]['busy']}")
+            if args.both_orders:  # the same rows with the draft's work queued before the target's verify
+                go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L, draft_first=True)  # noqa: E731
+                tok_s, (out, stats) = measure(go, n)
+                record("branching, draft first", "bf16", alpha, beta, k, L, tok_s, out, stats, ms)
+                rows[-1]["rows"] = R
+                rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
+                log(f"  per pass: {rows[-1]['busy']}")
     res["rows"] = rows
     res["wall_s"] = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -189,11 +198,11 @@ def main() -> None:
     seq = {(r["draft_weights"], r["alpha"]): r["tok_s"] for r in rows if r["mode"] == "sequential-graph"}
     print(f"\n{res['card']} x{res['gpus']}, {n} new tokens after a {P}-token prompt, batch 1, greedy; "
           f"plain 8B {plain_tok_s:.1f} tok/s")
-    print(f"{'mode':18} {'draft':5} {'α':>4} {'β':>5} {'k':>2} {'L':>2} {'R':>2} {'tok/s':>7} {'vs plain':>8} {'pred.':>6} "
+    print(f"{'mode':24} {'draft':5} {'α':>4} {'β':>5} {'k':>2} {'L':>2} {'R':>2} {'tok/s':>7} {'vs plain':>8} {'pred.':>6} "
           f"{'/ seq bf16':>10} {'/ seq int8':>10} {'hits':>9} same")
     for r in rows:
         beta = "-" if r["beta"] is None else f"{r['beta']:.2f}"
-        print(f"{r['mode']:18} {r['draft_weights']:5} {r['alpha']:4.1f} {beta:>5} {r['k']:2d} {r['overlap_steps']:2d} "
+        print(f"{r['mode']:24} {r['draft_weights']:5} {r['alpha']:4.1f} {beta:>5} {r['k']:2d} {r['overlap_steps']:2d} "
               f"{r.get('rows', 1):2d} "
               f"{r['tok_s']:7.1f} {r['speedup_vs_plain']:8.2f} {r['predicted_speedup']:6.2f} "
               f"{r['tok_s'] / seq['bf16', r['alpha']]:10.2f} {r['tok_s'] / seq['int8', r['alpha']]:10.2f} "

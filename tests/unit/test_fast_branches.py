@@ -84,6 +84,16 @@ def test_controlled_runner_up(hf_pair, prompt, full, beta) -> None:
         assert stats.branch_hits == stats.branch_tries
 
 
+def test_queueing_the_draft_first_changes_nothing_but_the_order(hf_pair, prompt, full) -> None:
+    target = FastLlama(hf_pair[0], max_len=MAX_LEN)
+    draft = BranchingDraft(FastLlama(hf_pair[1], max_batch=5, max_len=MAX_LEN), 5)
+    out, stats = branching_generate(target, draft, prompt, N_NEW, 3, 4)
+    out_first, stats_first = branching_generate(target, draft, prompt, N_NEW, 3, 4, draft_first=True)
+    assert out == out_first == full[:N_NEW]
+    assert (stats.passes, stats.branch_hits, stats.restarts) == (stats_first.passes, stats_first.branch_hits,
+                                                                 stats_first.restarts)
+
+
 def test_controlled_alpha_one_never_restarts(hf_pair, prompt, full) -> None:
     propose = ControlledBranches(_reference(prompt, full), alpha=1.0, beta=0.0, vocab=4096)
     out, stats = _branching(hf_pair, prompt, 3, 4, 4, propose)
