@@ -129,14 +129,13 @@ class PolicyConfig(_Strict):
                     "(prose) pseudo-trials; lighter, a few lucky steps made sequences look far better than their "
                     "class and the planner drafted on noise")
     acceptance_optimism: float = Field(
-        0.0, ge=0.0,
+        1.0, ge=0.0,
         description="standard deviations added to a sequence's own acceptance estimate when the step planner "
-                    "decides whether it drafts (app/acceptance.py token_alpha_upper; its depth comes from the "
-                    "mean). It kept an unlucky start from freezing a sequence plain when the prior weighed 8 "
-                    "pseudo-trials; at 24 one rejected draft moves the estimate 0.03, not 0.09, and the optimism "
-                    "(~0.09 for a fresh sequence) made the planner draft where the mean said plain: at 1 stream "
-                    "auto drafted in about half the steps and lost 4 % to 'off' (bench/RESULTS.md section 7, "
-                    "session 11). 0: decide on the mean")
+                    "decides whether it joins a drafting step (app/acceptance.py token_alpha_upper; its depth comes "
+                    "from the mean): keeps an unlucky start from freezing it plain. A step that drafts only on "
+                    "optimism stays plain (step_plan.plan_step_optimistic): measured on the CPU app, optimism "
+                    "deciding alone made auto draft at 1 stream and lose 4 % to 'off', none at all made it draft "
+                    "shallower at 8-32 streams and lose 3-5 % to 'on' (bench/RESULTS.md section 7, session 11)")
     acceptance_half_life_tokens: float = Field(512.0, gt=0)
     length_window: int = Field(256, ge=1)
     length_quantile: float = Field(0.9, gt=0.0, lt=1.0)

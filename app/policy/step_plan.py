@@ -203,7 +203,8 @@ def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw
     acceptance (`alpha_upper`) and *how deep* on its mean (`alpha`).
 
     Optimism keeps a sequence whose estimate fell after one unlucky step drafting, so its
-    estimate can recover (app/acceptance.py token_alpha_upper). Choosing the depth on it as well
+    estimate can recover (app/acceptance.py token_alpha_upper), but only in a step that drafts on
+    the mean as well: a step whose draft call only optimism would start stays plain. Choosing the depth on it as well
     drafts too deep: measured at 1 stream (bench/RESULTS.md section 7, run N) the planner then
     drafted 6.5 tokens per drafting step at acceptance 0.46 and fell below both fixed policies.
     Keyword arguments go to `plan_step` (not `only_depth`).
@@ -212,6 +213,15 @@ def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw
     drafting = {i for i, (c, k) in enumerate(zip(candidates, plan.ks)) if k > 0 and c.adaptive}
     if not drafting or plan.explored:
         return plan  # all plain (its goodput does not depend on acceptance), or an exploration step
+    on_mean = plan_step(candidates, costs, **kw)
+    if not any(k > 0 and c.adaptive for c, k in zip(candidates, on_mean.ks)):
+        # Optimism buys a measurement cheaply only where the draft call is paid anyway: a sequence
+        # joining a drafting batch adds its rows; a step that drafts only on optimism pays the
+        # whole call (the draft's steps, the exchange, the padded pass) for it. Measured on the
+        # CPU app: with optimism deciding alone, auto drafted in about half the steps at 1 stream
+        # and lost 4 % to "off"; without optimism anywhere it drafted shallower at 8-32 streams and
+        # lost 3-5 % to "on" (bench/RESULTS.md section 7, session 11).
+        return on_mean
     # the same sequences draft; their common depth is the one best on the mean acceptance
     chosen = [c if i in drafting or not c.adaptive else replace(c, cap=0) for i, c in enumerate(candidates)]
     best = plan_step(chosen, costs, **{**kw, "margin": 1.0, "explore_k": None}, draft_all=True)

@@ -64,16 +64,23 @@ def test_optimism_decides_whether_and_the_mean_how_deep() -> None:
     unlucky = _stats([(4, 0)])
     cand = StepCandidate(8, unlucky.token_alpha(0.8), True, remaining=60,
                          alpha_upper=unlucky.token_alpha_upper(0.8, 1.0))
-    plan = plan_step_optimistic([cand] * 2, costs, margin=1.05)
-    assert all(plan.ks)  # drafts although its mean is below break-even...
+    # alone, only optimism would start the draft call: the step stays plain
+    assert plan_step_optimistic([cand] * 2, costs, margin=1.05).ks == [0, 0]
+    assert plan_step([replace(cand, alpha=cand.alpha_upper)] * 2, costs, margin=1.05).ks[0] > 0  # (it would)
+    # beside a sequence that pays on its mean, the call is paid anyway: the unlucky ones join it
+    good = StepCandidate(8, 0.9, True, remaining=60, alpha_upper=0.93)
+    batch = [good, cand, cand]
+    plan = plan_step_optimistic(batch, costs, margin=1.05)
+    assert all(plan.ks)
     # ...at the depth that is best on the mean, not the (deeper) one best on the optimistic estimate
-    on_mean = {k: plan_step([replace(cand, cap=k, adaptive=False)] * 2, costs).goodput for k in range(1, 9)}
-    assert plan.ks[0] == max(on_mean, key=on_mean.get)
-    deep = plan_step([replace(cand, alpha=cand.alpha_upper)] * 2, costs, margin=1.05)
-    assert deep.ks[0] > plan.ks[0]
-    assert plan.goodput == pytest.approx(on_mean[plan.ks[0]])
+    on_mean = {k: plan_step([replace(c, cap=k, adaptive=False) for c in batch], costs).goodput for k in range(1, 9)}
+    assert plan.ks[1] == max(on_mean, key=on_mean.get)
+    deep = plan_step([replace(c, alpha=c.alpha_upper) for c in batch], costs, margin=1.05)
+    assert deep.ks[1] > plan.ks[1]
+    assert plan.goodput == pytest.approx(on_mean[plan.ks[1]])
     # with no optimism the plan is plan_step's on the mean; a sequence proven poor stays plain
-    assert plan_step_optimistic([replace(cand, alpha_upper=None)] * 2, costs, margin=1.05).ks == [0, 0]
+    no_optimism = [replace(c, alpha_upper=None) for c in batch]
+    assert plan_step_optimistic(no_optimism, costs, margin=1.05).ks == plan_step(no_optimism, costs, margin=1.05).ks
     poor = _stats([(4, 1), (4, 0), (4, 2), (4, 0)] * 8)
     poor_cand = replace(cand, alpha=poor.token_alpha(0.8), alpha_upper=poor.token_alpha_upper(0.8, 1.0))
     assert plan_step_optimistic([poor_cand] * 2, costs, margin=1.05).ks == [0, 0]
