@@ -204,28 +204,30 @@ def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw
 
     Optimism keeps a sequence whose estimate fell after one unlucky step drafting, so its
     estimate can recover (app/acceptance.py token_alpha_upper), but only in a step that drafts on
-    the mean as well: a step whose draft call only optimism would start stays plain. Choosing the depth on it as well
-    drafts too deep: measured at 1 stream (bench/RESULTS.md section 7, run N) the planner then
+    the mean as well: a step whose draft call only optimism would start stays plain. Choosing
+    the depth on it as well drafts too deep: measured at 1 stream (bench/RESULTS.md section 7, run N) the planner then
     drafted 6.5 tokens per drafting step at acceptance 0.46 and fell below both fixed policies.
     Keyword arguments go to `plan_step` (not `only_depth`).
     """
+    # Optimism buys a measurement cheaply only where the draft call is paid anyway: a sequence
+    # joining a drafting batch adds its rows; a step that drafts only on optimism pays the whole
+    # call (the draft's steps, the exchange, the padded pass) for it. Measured on the CPU app:
+    # with optimism deciding alone, auto drafted in about half the steps at 1 stream and lost 4 %
+    # to "off"; without optimism anywhere it drafted shallower at 8-32 streams and lost 3-5 % to
+    # "on" (bench/RESULTS.md section 7, session 11). So the plan on the mean comes first, and a
+    # plain one (or an exploration step) stands: one plan_step where nothing drafts, as at 1 stream.
+    on_mean = plan_step(candidates, costs, **kw)
+    mean_drafting = {i for i, (c, k) in enumerate(zip(candidates, on_mean.ks)) if k > 0 and c.adaptive}
+    if not mean_drafting or on_mean.explored:
+        return on_mean
     plan = plan_step(candidates, costs, optimistic=True, **kw)
     drafting = {i for i, (c, k) in enumerate(zip(candidates, plan.ks)) if k > 0 and c.adaptive}
-    if not drafting or plan.explored:
-        return plan  # all plain (its goodput does not depend on acceptance), or an exploration step
-    on_mean = plan_step(candidates, costs, **kw)
-    if not any(k > 0 and c.adaptive for c, k in zip(candidates, on_mean.ks)):
-        # Optimism buys a measurement cheaply only where the draft call is paid anyway: a sequence
-        # joining a drafting batch adds its rows; a step that drafts only on optimism pays the
-        # whole call (the draft's steps, the exchange, the padded pass) for it. Measured on the
-        # CPU app: with optimism deciding alone, auto drafted in about half the steps at 1 stream
-        # and lost 4 % to "off"; without optimism anywhere it drafted shallower at 8-32 streams and
-        # lost 3-5 % to "on" (bench/RESULTS.md section 7, session 11).
-        return on_mean
+    if drafting <= mean_drafting:
+        return on_mean  # optimism adds no one: the mean plan's depth is already best for its set
     # the same sequences draft; their common depth is the one best on the mean acceptance
     chosen = [c if i in drafting or not c.adaptive else replace(c, cap=0) for i, c in enumerate(candidates)]
     best = plan_step(chosen, costs, **{**kw, "margin": 1.0, "explore_k": None}, draft_all=True)
-    return replace(best, plain_goodput=plan.plain_goodput)
+    return replace(best, plain_goodput=on_mean.plain_goodput)
 
 
 class StepExplorer:
