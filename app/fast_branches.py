@@ -277,14 +277,7 @@ def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.T
         choice = choice_dev.tolist()  # [p + 1]: waits for the target only
         rows = new.tolist()
         ready += rows[draft.main][lo - n - 1: draft.next_position[draft.main] - n - 1]
-        a = 0
-        while a < p and choice[a] == ready[a]:
-            a += 1
-        stats.passes += 1
-        stats.drafted += p
-        stats.accepted += a
-        stats.checked += min(a + 1, p)
-        stats.widths[p] = stats.widths.get(p, 0) + 1
+        a = stats.record_pass(choice, ready, p)
         if a == p:  # all accepted: the chain's next token was its guess at the bonus
             stats.guesses += 1
         if a < p or ready[p] != choice[p]:  # rejected at a (or the bonus guess was wrong)

@@ -200,6 +200,20 @@ class SpecStats:
     branch_hits: int = 0  # ... whose branch started from the correction: adopted instead of a restart
     widths: dict[int, int] = field(default_factory=dict)  # proposals per pass -> passes
 
+    def record_pass(self, choice: list[int], ready: list[int], p: int) -> int:
+        """Judge one target pass and count it: the target's choices `[p + 1]` against the p
+        proposals `ready[:p]` it verified. Returns a, the number accepted (choice[a] is the
+        correction when a < p, the bonus token when a == p)."""
+        a = 0
+        while a < p and choice[a] == ready[a]:
+            a += 1
+        self.passes += 1
+        self.drafted += p
+        self.accepted += a
+        self.checked += min(a + 1, p)
+        self.widths[p] = self.widths.get(p, 0) + 1
+        return a
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted / drafted (vLLM's definition): proposals past a rejection count as drafted."""
@@ -271,14 +285,7 @@ def speculative_generate(target: FastLlama, draft: GreedyLoop, prompt: torch.Ten
             new = draft.read(lo, draft.next_position)
             choice = choice_dev.tolist()  # [p + 1]: waits for the target only
             ready += new.tolist()
-        a = 0
-        while a < p and choice[a] == ready[a]:
-            a += 1
-        stats.passes += 1
-        stats.drafted += p
-        stats.accepted += a
-        stats.checked += min(a + 1, p)
-        stats.widths[p] = stats.widths.get(p, 0) + 1
+        a = stats.record_pass(choice, ready, p)
         if a < p:  # rejected at a: choice[a] corrects it; the draft fed ready[:a], so restart there
             draft.reset([choice[a]], n + a + 1)
             ready = []

@@ -11,31 +11,22 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-N_NEW, MAX_LEN = 64, 200
+N_NEW = 64
 
 
-def test_branching_equals_plain_on_cuda() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def test_branching_equals_plain_on_cuda(fast_pair) -> None:
     from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
     from app.fast_decode import GreedyLoop, plain_generate
-    from app.fast_llama import FastLlama
 
     draft_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    load = lambda p, d: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(d).eval()  # noqa: E731
-    tok = AutoTokenizer.from_pretrained("models/target")
-    prompt = torch.tensor([tok("def read_config(path):\n", add_special_tokens=False)["input_ids"]], device="cuda:0")
-    target = FastLlama(load("models/target", "cuda:0"), max_len=MAX_LEN)
-    for w in range(1, 9):
-        target.capture(w)
-    draft_model = FastLlama(load("models/draft", draft_device), max_batch=6, max_len=MAX_LEN)
+    target, draft_model, prompt = fast_pair(draft_device, draft_rows=6)
     plain = plain_generate(GreedyLoop(target), prompt, N_NEW + 16)
     draft = BranchingDraft(draft_model, 6)
     assert draft._graph is not None  # the batched step replays as a graph
     out, stats = branching_generate(target, draft, prompt, N_NEW, 4, 5)
     assert out == plain[:N_NEW]
     assert stats.accepted > 0 and stats.forks > 0
-    ref = torch.zeros(MAX_LEN, dtype=torch.long)
+    ref = torch.zeros(target.max_len, dtype=torch.long)
     ref[prompt.shape[1]: prompt.shape[1] + len(plain)] = torch.tensor(plain)
     propose = ControlledBranches(ref.to(draft_device), alpha=0.6, beta=1.0, vocab=4096, seed=3)
     draft = BranchingDraft(draft_model, 6, propose)

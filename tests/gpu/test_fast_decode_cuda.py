@@ -10,34 +10,20 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-N_NEW, MAX_LEN = 64, 200
-
-
-def _pair(draft_device: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from app.fast_llama import FastLlama
-
-    load = lambda p, d: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(d).eval()  # noqa: E731
-    tok = AutoTokenizer.from_pretrained("models/target")
-    prompt = torch.tensor([tok("def read_config(path):\n", add_special_tokens=False)["input_ids"]], device="cuda:0")
-    target = FastLlama(load("models/target", "cuda:0"), max_len=MAX_LEN)
-    for w in range(1, 9):
-        target.capture(w)
-    return target, FastLlama(load("models/draft", draft_device), max_len=MAX_LEN), prompt
+N_NEW = 64
 
 
 @pytest.mark.parametrize("overlap_steps", [0, 3])
-def test_speculative_equals_plain_on_cuda(overlap_steps: int) -> None:
+def test_speculative_equals_plain_on_cuda(overlap_steps: int, fast_pair) -> None:
     from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
 
     draft_device = "cuda:1" if overlap_steps and torch.cuda.device_count() > 1 else "cuda:0"
-    target, draft_model, prompt = _pair(draft_device)
+    target, draft_model, prompt = fast_pair(draft_device)
     plain = plain_generate(GreedyLoop(target), prompt, N_NEW + 16)
     out, stats = speculative_generate(target, GreedyLoop(draft_model), prompt, N_NEW, 4, overlap_steps=overlap_steps)
     assert out == plain[:N_NEW]
     assert stats.accepted > 0
-    ref = torch.zeros(MAX_LEN, dtype=torch.long)
+    ref = torch.zeros(target.max_len, dtype=torch.long)
     ref[prompt.shape[1]: prompt.shape[1] + len(plain)] = torch.tensor(plain)
     propose = ControlledAcceptance(ref.to(draft_device), alpha=1.0, vocab=4096)
     loop = GreedyLoop(draft_model, propose)
@@ -48,18 +34,18 @@ def test_speculative_equals_plain_on_cuda(overlap_steps: int) -> None:
     assert out == plain[:N_NEW] and stats.accepted == 0
 
 
-def test_one_graph_pass_equals_plain_on_cuda() -> None:
+def test_one_graph_pass_equals_plain_on_cuda(fast_pair) -> None:
     """app/fast_spec_graph.py: draft steps, verify and the verdict captured as one graph per pass."""
     from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
     from app.fast_spec_graph import SpeculativePassGraph
 
-    target, draft_model, prompt = _pair("cuda:0")
+    target, draft_model, prompt = fast_pair("cuda:0")
     plain = plain_generate(GreedyLoop(target), prompt, N_NEW + 16)
     out, stats = SpeculativePassGraph(target, GreedyLoop(draft_model), 4).generate(prompt, N_NEW)
     _, host = speculative_generate(target, GreedyLoop(draft_model), prompt, N_NEW, 4)
     assert out == plain[:N_NEW] and stats.accepted > 0
     assert (stats.passes, stats.accepted) == (host.passes, host.accepted)
-    ref = torch.zeros(MAX_LEN, dtype=torch.long)
+    ref = torch.zeros(target.max_len, dtype=torch.long)
     ref[prompt.shape[1]: prompt.shape[1] + len(plain)] = torch.tensor(plain)
     propose = ControlledAcceptance(ref.to("cuda:0"), alpha=1.0, vocab=4096)
     graph = SpeculativePassGraph(target, GreedyLoop(draft_model, propose), 3)

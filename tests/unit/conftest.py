@@ -208,3 +208,18 @@ def drive():
 @pytest.fixture(scope="session")
 def prompts() -> list[str]:
     return PROMPTS
+
+
+@pytest.fixture(scope="session")
+def fast_hf_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(target, draft) as HF models in float32, the inputs of the fast path's FastLlama."""
+    from transformers import AutoModelForCausalLM
+
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    return load("models/target"), load("models/draft")
+
+
+@pytest.fixture(scope="session")
+def code_prompt(encode) -> torch.Tensor:
+    """One code prompt's ids `[1, P]`, for the fast path's loops."""
+    return torch.tensor([encode("import os\n\ndef list_python_files(path):\n")])
