@@ -29,8 +29,10 @@ from typing import Protocol
 
 import torch
 
-from app.fast_decode import SpecStats, read_back, to_device, verify_pass
+from app.fast_decode import SpecStats, read_back, to_device, verify_host_ids
 from app.fast_llama import FastLlama, capture_graph
+
+FORK_SPAN = 32  # positions a graph-replayed fork copies from the main row (wider: the eager path)
 
 
 class BranchProposer(Protocol):
@@ -84,7 +86,8 @@ class BranchingDraft:
     back, all rows in one batched forward (one CUDA graph replay). Rows not in use are parked at a
     scratch position near the cache's end that no sequence reaches."""
 
-    def __init__(self, model: FastLlama, rows: int, propose: BranchProposer | None = None) -> None:
+    def __init__(self, model: FastLlama, rows: int, propose: BranchProposer | None = None,
+                 fork_graph: bool = True) -> None:
         if rows < 2:
             raise ValueError(f"rows={rows}: branching needs a main row and at least one branch row")
         if model.max_batch < rows:
@@ -104,9 +107,24 @@ class BranchingDraft:
         self.main = 0
         self.next_position = [self.park + 1] * R  # host mirror: where each row's next proposal lands
         self._synced = [0] * R  # row r's K/V equals the main row's below this position
+        # fork_graph: a pass's drop-and-fork as one graph replay fed by one small copy of its
+        # arguments (the eager fork is a dozen indexing kernels, each ~20-40 us of host time, and
+        # the host's time per pass is what the GPUs wait on: bench/RESULTS.md section 2, run 5).
+        # It copies a fixed span of FORK_SPAN positions; a wider one (the first fork after a
+        # prefill) takes the eager path.
+        self.fork_graph = fork_graph
+        self._span = torch.arange(FORK_SPAN, device=dev)  # [S]
+        self._fork_args = torch.zeros(3 * R + 2, dtype=torch.long, device=dev)  # [drop R | fork R | pos R | lo | main]
+        # a ring of pinned sources: a non-blocking copy reads its source when the stream reaches it,
+        # so a buffer is reused only after the host has waited on later draft work (once per pass)
+        self._fork_host = [torch.zeros(3 * R + 2, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(4)]
+        self._fork_turn = 0
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._fork_graph: torch.cuda.CUDAGraph | None = None
         if dev.type == "cuda":
             self._graph, _ = capture_graph(dev, self._step, self._park_all)
+            self._fork_args[2 * R: 3 * R] = self.park  # captured as a no-op: nothing drops, nothing forks
+            self._fork_graph, _ = capture_graph(dev, self._drop_and_fork)
             torch.cuda.synchronize(dev)
 
     # ---- the batched step -----------------------------------------------------------------
@@ -123,6 +141,28 @@ class BranchingDraft:
 
     def _park_all(self) -> None:
         self._pos.fill_(self.park)
+
+    def _drop_and_fork(self) -> None:
+        """fork()'s work from `_fork_args`, fixed shapes (capturable): park the rows in `drop`, then
+        every row in `fork` takes a copy of the main row's K/V and tokens over [lo, lo + S) and feeds
+        the main row's runner-up at its `pos`. Copying past a row's own position is harmless: those
+        entries are masked until the row overwrites them (and S may reach into the scratch slots)."""
+        R, args = self.rows, self._fork_args
+        drop, fork, pos = args[:R].bool(), args[R: 2 * R].bool(), args[2 * R: 3 * R]  # [R] each
+        lo, main = args[3 * R], args[3 * R + 1: 3 * R + 2]  # [], [1]
+        span = (lo + self._span).clamp(max=self.max_len - 1)  # [S]: clamped repeats all copy the same slot
+        for cache in (self.model.k_cache, self.model.v_cache):  # [layers, R, max_len, KV, D]
+            cur = cache.index_select(2, span)  # [layers, R, S, KV, D]
+            src = cur.index_select(1, main)  # [layers, 1, S, KV, D]
+            cache.index_copy_(2, span, torch.where(fork.view(1, R, 1, 1, 1), src, cur))
+        cur_t = self.tokens.index_select(1, span)  # [R, S]
+        self.tokens.index_copy_(1, span, torch.where(fork.view(R, 1), cur_t.index_select(0, main), cur_t))
+        first = self.runner_up.index_select(0, main)[0].gather(0, pos)  # [R]: the main row's runner-up at pos
+        at_pos = self.tokens.gather(1, pos.view(R, 1))[:, 0]  # [R]
+        self.tokens.scatter_(1, pos.view(R, 1), torch.where(fork, first, at_pos).view(R, 1))
+        self._tok.copy_(torch.where(fork, first, self._tok[:, 0]).view(R, 1))
+        self._pos.copy_(torch.where(fork, pos, torch.where(drop, self.park, self._pos[:, 0])).view(R, 1))
+        self._live.copy_((self._live & ~drop) | fork)
 
     # ---- row control (host side; no synchronisation) ---------------------------------------
     def prefill(self, prompt: torch.Tensor) -> None:
@@ -151,20 +191,26 @@ class BranchingDraft:
         self.next_position = [self.park + 1] * self.rows
         self.next_position[m] = position + 1
 
-    def fork(self, rows: list[int], positions: list[int]) -> None:
+    def fork(self, rows: list[int], positions: list[int], drop_others: bool = False) -> None:
         """Each of `rows` branches off the main row at its position: it feeds the main row's
         runner-up for that position, on a copy of the main row's K/V below it (the main row must
-        have fed every position below it). All of them in a handful of kernels, whatever their
-        number: the host queues these while the target verifies, and the draft starts only after.
-        One copy of the main row's span [lo, hi) serves every row: a row's entries past its own
-        position are masked, then overwritten by its branch."""
+        have fed every position below it). `drop_others`: first park every other row but the main
+        one (drop_branches). All of it in one graph replay (or, eagerly, a handful of kernels),
+        whatever the number of rows: the host queues these while the target verifies, and the
+        draft starts only after. One copy of the main row's span [lo, hi) serves every row: a
+        row's entries past its own position are masked, then overwritten by its branch."""
         m = self.main
-        if not rows:
-            return
         if m in rows or len(set(rows)) != len(rows) or len(rows) != len(positions):
             raise ValueError(f"fork rows {rows} must be distinct, exclude the main row {m} and match {positions}")
-        lo = min(min(self._synced[r], q) for r, q in zip(rows, positions))
-        hi = max(positions)
+        lo = min((min(self._synced[r], q) for r, q in zip(rows, positions)), default=self.park)
+        hi = max(positions, default=self.park)
+        if self.fork_graph and hi - lo <= FORK_SPAN:
+            self._fork_queued(rows, positions, lo, drop_others)
+            return
+        if drop_others:
+            self.drop_branches()
+        if not rows:
+            return
         idx = to_device(rows, self.device)[0]  # [F]
         pos = to_device(positions, self.device)[0]  # [F]
         if lo < hi:
@@ -177,6 +223,27 @@ class BranchingDraft:
         self._tok[idx, 0] = first
         self._pos[idx, 0] = pos
         self._live[idx] = True
+        for r, q in zip(rows, positions):
+            self._synced[r] = q
+            self.next_position[r] = q + 1
+
+    def _fork_queued(self, rows: list[int], positions: list[int], lo: int, drop_others: bool) -> None:
+        """fork() as one copy of its arguments and one replay of _drop_and_fork."""
+        R, m = self.rows, self.main
+        args = [1 if drop_others and r != m else 0 for r in range(R)] + [0] * R + [self.park] * R + [lo, m]
+        for r, q in zip(rows, positions):
+            args[R + r], args[2 * R + r] = 1, q
+        host = self._fork_host[self._fork_turn]
+        self._fork_turn = (self._fork_turn + 1) % len(self._fork_host)
+        host.numpy()[:] = args
+        self._fork_args.copy_(host, non_blocking=True)
+        if self._fork_graph is not None:
+            with torch.cuda.device(self.device):  # replay() uses the current device's stream
+                self._fork_graph.replay()
+        else:
+            self._drop_and_fork()
+        if drop_others:
+            self.next_position = [p if r == m else self.park + 1 for r, p in enumerate(self.next_position)]
         for r, q in zip(rows, positions):
             self._synced[r] = q
             self.next_position[r] = q + 1
@@ -208,13 +275,14 @@ class BranchingDraft:
         if furthest + steps >= self.park:
             raise ValueError(f"advancing to {furthest + steps} runs into the draft cache's scratch slots "
                              f"({self.park}): raise max_len")
-        for _ in range(steps):
-            if self._graph is not None:
-                with torch.cuda.device(self.device):  # replay() uses the current device's stream
+        if self._graph is not None:
+            with torch.cuda.device(self.device):  # replay() uses the current device's stream
+                for _ in range(steps):
                     self._graph.replay()
-            else:
+        else:
+            for _ in range(steps):
                 self._step()
-            self.next_position = [p + 1 if p <= self.park else p for p in self.next_position]
+        self.next_position = [p + steps if p <= self.park else p for p in self.next_position]
 
     def live_rows(self) -> list[int]:
         return [r for r, p in enumerate(self.next_position) if p <= self.park]
@@ -228,11 +296,11 @@ def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.T
     already fed the position before it; a rejection (or a wrong bonus guess) at i whose correction
     is that branch's first token adopts the branch instead of restarting.
 
-    `draft_first`: queue each pass's draft work (forks, steps, the read of its rows) before the
-    target's verify instead of after. The draft is the busier GPU at the depths the chain picks, so
-    starting it first looked free; measured, it is not (bench/RESULTS.md section 2, run 6: 7.75 ms a
-    pass against 5.83-6.00 with the verify first, 2x H200): the host stops at the read of the
-    draft's rows, and the target's pass is queued only after it. Kept for re-measuring; off."""
+    `draft_first`: queue each pass's draft work (forks and steps) before the target's verify
+    instead of after; the host reads the draft's rows only after both are queued. The draft is
+    the busier GPU at the depths the chain picks, so it should start first. (Its first version
+    read the rows before queueing the verify, which made the target wait for the draft: 7.75 ms
+    a pass against 5.83-6.00, bench/RESULTS.md section 2, run 6.)"""
     if k < 1 or overlap_steps < 1:
         raise ValueError(f"k={k}, overlap_steps={overlap_steps}: branching needs k >= 1 and overlap_steps >= 1 "
                          "(it is the overlapped mode)")
@@ -252,12 +320,11 @@ def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.T
     while len(out) < n_new:
         p = min(k, len(ready))
         if not draft_first:
-            choice_dev = verify_pass(target, to_device([last] + ready[:p], target.device), n)
+            choice_dev = verify_host_ids(target, [last] + ready[:p], n)
         # the main row has fed `last` and ready[:-1]: a branch at n+1+i needs positions <= n+i fed
-        draft.drop_branches()
         free = [r for r in range(draft.rows) if r != draft.main]
         forks = dict(zip(range(min(p + 1, len(ready))), free))  # judged index i -> row branching at n+1+i
-        draft.fork(list(forks.values()), [n + 1 + i for i in forks])
+        draft.fork(list(forks.values()), [n + 1 + i for i in forks], drop_others=True)  # last pass's branches go
         free = free[len(forks):]
         steps = min(overlap_steps, max(1, k + 2 - (len(ready) - p)))
         lo = draft.next_position[draft.main]
@@ -270,10 +337,10 @@ def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.T
             draft.advance(steps)
         stats.draft_steps += steps
         stats.forks += len(forks)
+        if draft_first:
+            choice_dev = verify_host_ids(target, [last] + ready[:p], n)
         hi = max(draft.next_position[r] for r in draft.live_rows())
         new = read_back(draft.tokens[:, n + 1: hi])  # [R, hi - n - 1]: every row's proposals, one copy
-        if draft_first:
-            choice_dev = verify_pass(target, to_device([last] + ready[:p], target.device), n)
         choice = choice_dev.tolist()  # [p + 1]: waits for the target only
         rows = new.tolist()
         ready += rows[draft.main][lo - n - 1: draft.next_position[draft.main] - n - 1]

@@ -233,11 +233,17 @@ class SpecStats:
 
 
 def verify_pass(target: FastLlama, ids: torch.Tensor, position: int) -> torch.Tensor:
-    """Queue the target's pass over ids `[1, w]` = `[last] + proposals` at `position`..; returns
-    its argmax `[w]` (still on the device)."""
+    """Queue the target's pass over device ids `[1, w]` = `[last] + proposals` at `position`..;
+    returns its argmax `[w]` (still on the device)."""
     ids = ids.to(target.device)
     positions = torch.arange(position, position + ids.shape[1], device=target.device).view(1, -1)
     return target.run(ids, positions)[0].argmax(-1)
+
+
+def verify_host_ids(target: FastLlama, ids: list[int], position: int) -> torch.Tensor:
+    """verify_pass for ids the host holds: they go straight into the graph's input buffers
+    (FastLlama.run_from_host). Returns the argmax `[w]` (still on the device)."""
+    return target.run_from_host(ids, position)[0].argmax(-1)
 
 
 def speculative_generate(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n_new: int, k: int,
@@ -276,7 +282,7 @@ def speculative_generate(target: FastLlama, draft: GreedyLoop, prompt: torch.Ten
             choice, ready = both[: k + 1], both[k + 1:]
         else:
             p = min(k, len(ready))
-            choice_dev = verify_pass(target, to_device([last] + ready[:p], target.device), n)
+            choice_dev = verify_host_ids(target, [last] + ready[:p], n)
             # keep the chain k+1 deep past what this pass can consume (k proposals + a bonus guess)
             steps = min(overlap_steps, max(1, k + 2 - (len(ready) - p)))
             lo = draft.next_position

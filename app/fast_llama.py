@@ -133,7 +133,12 @@ class FastLlama:
         self.cos = (emb.cos() * scale).to(self.dtype)  # [max_len, D]
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.key_pos = torch.arange(max_len, device=self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # run_from_host's pinned staging `[2, 64]` (ids, positions): a ring, because a non-blocking
+        # copy reads its source only when the stream reaches it
+        self._staging = [torch.zeros((2, 64), dtype=torch.long, pin_memory=self.device.type == "cuda")
+                         for _ in range(4)]
+        self._staging_turn = 0
         # prefill_last's graphs per prompt-length bucket: (graph, tokens, positions, hidden)
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -275,6 +280,28 @@ class FastLlama:
         graph, tok_buf, pos_buf, logits = entry
         tok_buf.copy_(tokens)
         pos_buf.copy_(positions)
+        with torch.cuda.device(self.device):  # replay() uses the current device's stream
+            graph.replay()
+        return logits
+
+    def run_from_host(self, ids: list[int], position: int) -> torch.Tensor:
+        """run() of host ids `[1, w]` at positions position.. : on CUDA with a graph for width w,
+        two non-blocking copies from pinned staging straight into the graph's input buffers (no
+        device tensors made, no arange kernel: the host's time per pass is what two GPUs in a
+        loop wait on). Returns the logits `[1, w, vocab]`, still on the device."""
+        w = len(ids)
+        entry = self.graphs.get((1, w))
+        if entry is None or w > self._staging[0].shape[1]:
+            tokens = torch.tensor([ids], dtype=torch.long).to(self.device)
+            return self.run(tokens, torch.arange(position, position + w, device=self.device).view(1, -1))
+        graph, tok_buf, pos_buf, logits = entry
+        stage = self._staging[self._staging_turn]
+        self._staging_turn = (self._staging_turn + 1) % len(self._staging)
+        host = stage.numpy()
+        host[0, :w] = ids
+        host[1, :w] = range(position, position + w)
+        tok_buf.copy_(stage[:1, :w], non_blocking=True)
+        pos_buf.copy_(stage[1:, :w], non_blocking=True)
         with torch.cuda.device(self.device):  # replay() uses the current device's stream
             graph.replay()
         return logits

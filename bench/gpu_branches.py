@@ -13,7 +13,9 @@ beta (`app.fast_branches.ControlledBranches`). The embedded trained pair's measu
 Rows, per alpha, all in one run on one card pair:
 - sequential, one CUDA graph per pass (app/fast_spec_graph.py), bf16 and int8 drafts: the baselines;
 - overlapped as built (one chain; fast_decode.speculative_generate), bf16 draft;
-- overlapped with branches (app/fast_branches.py), bf16 draft, R cache rows (1 main + R - 1 branches), at each beta.
+- overlapped with branches (app/fast_branches.py), bf16 draft, R cache rows (1 main + R - 1 branches), at each beta:
+  as built (a pass's forks as one graph replay), with the eager fork, and (--both-orders) with the
+  draft's work queued before the target's verify.
 k and the overlap depth are chosen from this run's measured step costs by the loop's Markov chain
 (bench/overlap_bound.py; for branches also R, the loop as built with its draft step priced at its R-row
 cost). Each row's
@@ -177,20 +179,21 @@ def main() -> None:
             ms, k, L, R = min((overlapped_ms_per_token(alpha, k, L, PassCosts(t_verify=t_ver, t_draft=t_rows[R]),
                                                        branch_hit=beta, branch_rows=R - 1), k, L, R)
                               for k in range(1, max_k + 1) for L in range(1, k + 3) for R in range(2, k + 3))
-            propose.reseed(alpha, beta, seed=7)
-            go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L)  # noqa: E731
-            tok_s, (out, stats) = measure(go, n)
-            record("branching", "bf16", alpha, beta, k, L, tok_s, out, stats, ms)
-            rows[-1]["rows"] = R
-            rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
-            log(f"  per pass: {rows[-1]['busy']}")
-            if args.both_orders:  # the same rows with the draft's work queued before the target's verify
-                go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L, draft_first=True)  # noqa: E731
+            # the loop as built (fork graph, verify queued first) and two variants side by side:
+            # the eager fork (before session 12) and the draft's work queued before the verify
+            variants = [("branching", True, False), ("branching, eager fork", False, False)]
+            if args.both_orders:
+                variants.append(("branching, draft first", True, True))
+            for mode, fork_graph, draft_first in variants:
+                propose.reseed(alpha, beta, seed=7)
+                drafts[R].fork_graph = fork_graph
+                go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L, draft_first=draft_first)  # noqa: E731
                 tok_s, (out, stats) = measure(go, n)
-                record("branching, draft first", "bf16", alpha, beta, k, L, tok_s, out, stats, ms)
+                record(mode, "bf16", alpha, beta, k, L, tok_s, out, stats, ms)
                 rows[-1]["rows"] = R
                 rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
                 log(f"  per pass: {rows[-1]['busy']}")
+            drafts[R].fork_graph = True
     res["rows"] = rows
     res["wall_s"] = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)

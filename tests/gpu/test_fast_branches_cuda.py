@@ -33,6 +33,13 @@ def test_branching_equals_plain_on_cuda(fast_pair) -> None:
     out, stats = branching_generate(target, draft, prompt, N_NEW, 4, 5)
     assert out == plain[:N_NEW]
     assert stats.branch_tries > 0 and stats.branch_hits == stats.branch_tries
+    assert draft._fork_graph is not None  # a pass's forks replay as one graph ...
+    draft.fork_graph = False  # ... and leave the rows as the eager fork does
+    propose.reseed(0.6, 1.0, seed=3)
+    eager_out, eager_stats = branching_generate(target, draft, prompt, N_NEW, 4, 5)
+    assert eager_out == out and (eager_stats.passes, eager_stats.forks, eager_stats.branch_hits) == (
+        stats.passes, stats.forks, stats.branch_hits)
+    draft.fork_graph = True
     propose.reseed(0.6, 0.0, seed=3)  # in place: the captured graph must see it
     out, stats = branching_generate(target, draft, prompt, N_NEW, 4, 5)
     assert out == plain[:N_NEW] and stats.branch_hits == 0

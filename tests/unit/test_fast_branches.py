@@ -82,6 +82,27 @@ def test_queueing_the_draft_first_changes_nothing_but_the_order(fast_hf_pair, co
                                                                  stats_first.restarts)
 
 
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_graph_fork_equals_the_eager_fork(fast_hf_pair, code_prompt, full, beta, monkeypatch) -> None:
+    # the fixed-shape drop-and-fork (what the CUDA graph replays; eager here) must leave every row as
+    # the eager fork does: the same passes, hits and restarts, and the plain output
+    ref = _reference(code_prompt, full)
+    runs = {}
+    calls = []
+    real = BranchingDraft._drop_and_fork
+    monkeypatch.setattr(BranchingDraft, "_drop_and_fork", lambda self: (calls.append(1), real(self)))
+    for graph in (True, False):
+        calls.clear()
+        target = FastLlama(fast_hf_pair[0], max_len=MAX_LEN)
+        draft = BranchingDraft(FastLlama(fast_hf_pair[1], max_batch=5, max_len=MAX_LEN), 5,
+                               ControlledBranches(ref, alpha=0.6, beta=beta, vocab=4096, seed=3), fork_graph=graph)
+        out, stats = branching_generate(target, draft, code_prompt, N_NEW, 3, 4)
+        runs[graph] = (out, stats.passes, stats.forks, stats.branch_tries, stats.branch_hits, stats.restarts)
+        assert (len(calls) >= stats.passes - 1) if graph else not calls  # after the first fork, every pass's forks
+    assert runs[True] == runs[False]
+    assert runs[True][0] == full[:N_NEW]
+
+
 def test_controlled_alpha_one_never_restarts(fast_hf_pair, code_prompt, full) -> None:
     propose = ControlledBranches(_reference(code_prompt, full), alpha=1.0, beta=0.0, vocab=4096)
     out, stats = _branching(fast_hf_pair, code_prompt, 3, 4, 4, propose)
