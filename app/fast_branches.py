@@ -151,7 +151,7 @@ class BranchingDraft:
         drop, fork, pos = args[:R].bool(), args[R: 2 * R].bool(), args[2 * R: 3 * R]  # [R] each
         lo, main = args[3 * R], args[3 * R + 1: 3 * R + 2]  # [], [1]
         span = (lo + self._span).clamp(max=self.max_len - 1)  # [S]: clamped repeats all copy the same slot
-        for cache in (self.model.k_cache, self.model.v_cache):  # [layers, R, max_len, KV, D]
+        for cache in (self.model.k_cache[:, :R], self.model.v_cache[:, :R]):  # [layers, R, max_len, KV, D] views
             cur = cache.index_select(2, span)  # [layers, R, S, KV, D]
             src = cur.index_select(1, main)  # [layers, 1, S, KV, D]
             cache.index_copy_(2, span, torch.where(fork.view(1, R, 1, 1, 1), src, cur))

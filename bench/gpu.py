@@ -166,8 +166,9 @@ class BusyTimer:
     def __init__(self, target: FastLlama, draft: GreedyLoop) -> None:
         self.spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"target": [], "draft": []}
         self._wrap(target, "run", "target")
+        self._wrap(target, "run_from_host", "target")  # verify_host_ids' way in
         self._wrap(draft, "advance", "draft")
-        self._objects = (target, draft)
+        self._wrapped = ((target, "run"), (target, "run_from_host"), (draft, "advance"))
 
     def _wrap(self, obj, method: str, name: str) -> None:
         inner = getattr(obj, method)
@@ -185,7 +186,7 @@ class BusyTimer:
 
     def finish(self) -> dict[str, float]:
         sync()
-        for obj, method in zip(self._objects, ("run", "advance")):
+        for obj, method in self._wrapped:
             delattr(obj, method)  # the class's method again
         return {f"{name}_busy_s": sum(s.elapsed_time(e) for s, e in spans) / 1e3 for name, spans in self.spans.items()}
 

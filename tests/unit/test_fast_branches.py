@@ -94,7 +94,8 @@ def test_graph_fork_equals_the_eager_fork(fast_hf_pair, code_prompt, full, beta,
     for graph in (True, False):
         calls.clear()
         target = FastLlama(fast_hf_pair[0], max_len=MAX_LEN)
-        draft = BranchingDraft(FastLlama(fast_hf_pair[1], max_batch=5, max_len=MAX_LEN), 5,
+        # the model holds more cache rows than the draft uses (as bench.gpu_branches' does)
+        draft = BranchingDraft(FastLlama(fast_hf_pair[1], max_batch=7, max_len=MAX_LEN), 5,
                                ControlledBranches(ref, alpha=0.6, beta=beta, vocab=4096, seed=3), fork_graph=graph)
         out, stats = branching_generate(target, draft, code_prompt, N_NEW, 3, 4)
         runs[graph] = (out, stats.passes, stats.forks, stats.branch_tries, stats.branch_hits, stats.restarts)
