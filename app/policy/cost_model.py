@@ -162,7 +162,10 @@ class StepCostsConfig(BaseModel):
     draft_ratio: float = Field(0.25, gt=0, description="draft step time / target step time")
     draft_knee_tokens: float | None = Field(None, gt=0, description="defaults to knee_tokens")
     exchange_s: float = Field(0.001, ge=0, description="one batched draft<->target exchange per step")
-    overhead_s: float = Field(0.0, ge=0, description="per engine step outside the forwards (host work), paid by every step")
+    overhead_s: float = Field(
+        0.0, ge=0,
+        description="per engine step outside the forwards (host work), paid by every step; the prior of both the plain "
+                    "and the speculative step's measured overhead")
     chunk_s: float = Field(
         0.0, ge=0,
         description="wall time each streamed chunk (one per sequence per step) adds to the engine step: the part "
@@ -187,7 +190,11 @@ class StepCosts:
         self.target = CostCurve(c.target_step_s, c.knee_tokens, c.decay)
         self.draft = CostCurve(c.target_step_s * c.draft_ratio, draft_knee, c.decay)
         self._exchange = _Ema(c.exchange_s, c.decay)
-        self._overhead = _Ema(c.overhead_s, c.decay)
+        # host time outside the forwards, measured apart for plain and speculative steps: a drafting
+        # step verifies, rolls back and books more tokens, and one average of both, fed mostly by
+        # whichever kind the traffic ran lately, priced the other kind wrong (bench/RESULTS.md
+        # section 7, session 12)
+        self._overhead = {False: _Ema(c.overhead_s, c.decay), True: _Ema(c.overhead_s, c.decay)}
         per_token = c.draft_prefill_per_token_s
         if per_token is None:
             per_token = c.target_step_s * c.draft_ratio / draft_knee
@@ -216,11 +223,10 @@ class StepCosts:
         it (configured): a step takes max(its own time, this)."""
         return max(b, 0) * self.config.chunk_beside_s
 
-    @property
-    def t_overhead(self) -> float:
-        """Host time of an engine step outside the forwards: the same for a plain and a
-        speculative step, so it favours steps that emit more tokens."""
-        return self._overhead.value
+    def t_overhead(self, speculative: bool) -> float:
+        """Host time of an engine step outside the forwards, for a plain step or one where some
+        sequence drafts: a fixed cost per step, so it favours steps that emit more tokens."""
+        return self._overhead[speculative].value
 
     def t_draft_prefill(self, prompt_tokens: int) -> float:
         return max(prompt_tokens, 0) * self._prefill_per_token.value
@@ -243,9 +249,10 @@ class StepCosts:
         if seconds >= 0 and math.isfinite(seconds):
             self._exchange.observe(seconds)
 
-    def observe_overhead(self, seconds: float) -> None:
+    def observe_overhead(self, seconds: float, speculative: bool) -> None:
+        """One engine step's host time outside the forwards; `speculative`: some sequence drafted."""
         if seconds >= 0 and math.isfinite(seconds):
-            self._overhead.observe(seconds)
+            self._overhead[speculative].observe(seconds)
 
     def observe_draft_call(self, batch: int, depth: int, compute_s: float, first: FirstPass) -> float | None:
         """One draft call: `depth` batched steps for `batch` sequences in `compute_s`. When its
@@ -286,8 +293,8 @@ def speedup(
 ) -> float:
     """Goodput of speculating with depth k over plain decoding, for one sequence in a batch of b.
 
-    plain: max(t_decode(b) + t_overhead + t_emit(b), t_emit_beside(b)) per token. speculative:
-    max(k·t_draft + t_verify(b, k) + t_exchange + t_overhead + t_emit(b), t_emit_beside(b)) / E(k) per token, plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
+    plain: max(t_decode(b) + t_overhead(plain) + t_emit(b), t_emit_beside(b)) per token. speculative:
+    max(k·t_draft + t_verify(b, k) + t_exchange + t_overhead(spec) + t_emit(b), t_emit_beside(b)) / E(k) per token, plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
     draft drafts block t+1 while the target verifies block t, so only the part of draft+exchange
     that outlasts the verify is paid. (That is optimistic when acceptance is low, since a rejected
     block's pre-drafted successor is thrown away; the live step times correct for it.)
@@ -296,10 +303,11 @@ def speedup(
     if k <= 0:
         return 1.0
     beside = costs.t_emit_beside(b)  # the router's and proxy's share runs beside the step
-    plain = max(costs.t_decode(b) + costs.t_overhead + costs.t_emit(b), beside)
+    plain = max(costs.t_decode(b) + costs.t_overhead(False) + costs.t_emit(b), beside)
     verify = costs.t_verify(b, k)
     side = k * costs.t_draft(draft_batch if draft_batch is not None else b) + costs.t_exchange
-    step = max(verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead + costs.t_emit(b), beside)
+    step = max(verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead(True) + costs.t_emit(b),
+               beside)
     per_token = step / expected_tokens_per_step(alpha, k, per_position)
     if prompt_tokens > 0 and output_tokens:
         per_token += costs.t_draft_prefill(prompt_tokens) / output_tokens

@@ -282,6 +282,7 @@ class SpeculationPolicy:
         parts = [f"b={len(candidates)} alpha min/median/max {alphas[0]:.2f}/{alphas[len(alphas) // 2]:.2f}/{alphas[-1]:.2f}"]
         max_cap = max(c.cap for c in candidates)
         plain = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap, only_depth=0).plain_goodput
+        parts.append(f"host ms plain/drafting {1e3 * self.costs.t_overhead(False):.2f}/{1e3 * self.costs.t_overhead(True):.2f}")
         parts.append(f"plain {plain:.0f}")
         for k in range(1, max_cap + 1):
             p = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap, only_depth=k)

@@ -11,7 +11,7 @@ maximises the batch's goodput:
     tokens(S, k) = Σ_{s∈S} E(α_s, k_s) + (b − |S|)                       emitted this step
     time(S, k)   = t_target(b · (max_s k_s + 1))                             one target forward, padded
                  + [S ≠ ∅] · (max_s k_s · t_draft(|S|) + t_exchange)        the draft call, if any
-                 + t_overhead + b · t_chunk                                host work of any step
+                 + t_overhead([S ≠ ∅]) + b · t_chunk        host work: measured apart for plain and drafting steps
                  + Σ_{s∈S} c_s · E(α_s, k_s) / R_s                                catch-ups, amortised
     wall(S, k)   = max(time(S, k), b · t_beside)                             the streaming beside it
 
@@ -83,12 +83,12 @@ class StepPlan:
     catch_up_s: float = 0.0  # predicted catch-up prefill of the sequences that draft this step, in full
 
 
-def _time(costs: StepCosts, pass_tokens: int, num_spec: int, depth: int, overlap: bool, host: float) -> float:
+def _time(costs: StepCosts, pass_tokens: int, num_spec: int, depth: int, overlap: bool) -> float:
     verify = costs.target(max(pass_tokens, 1))  # one target forward over every token of the pass
     if num_spec == 0:
-        return verify + host
+        return verify + costs.t_overhead(False)
     side = depth * costs.t_draft(num_spec) + costs.t_exchange
-    return verify + (max(0.0, side - verify) if overlap else side) + host
+    return verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead(True)
 
 
 def _e_table(alpha: float, cap: int) -> list[float]:
@@ -143,9 +143,9 @@ def plan_step(
     f_pass = sum(ks[i] + 1 for i in forced)
     f_depth = max((ks[i] for i in forced), default=0)
     n_rest = b - len(forced)  # plain unless chosen below
-    # host time of any step: the engine's own (inside the step's wall time, so calibrated with it)
-    # and the streamed chunks' (the router's and proxy's work, outside it: never calibrated)
-    host, emit, beside = costs.t_overhead, costs.t_emit(b), costs.t_emit_beside(b)
+    # host time of any step: the engine's own (in _time: inside the step's wall time, so calibrated
+    # with it) and the streamed chunks' (the router's and proxy's work, outside it: never calibrated)
+    emit, beside = costs.t_emit(b), costs.t_emit_beside(b)
     times: dict[tuple[int, int, int], float] = {}  # the engine time of (pass tokens, drafting, depth)
 
     def factor(depth: int) -> float:
@@ -160,7 +160,7 @@ def plan_step(
         key = (pass_tokens(f_pass + prefix_pass + (n_rest - m), d), num_spec, d)
         t = times.get(key)
         if t is None:  # padded passes repeat: one curve lookup per (tokens, drafting, depth)
-            t = times[key] = _time(costs, key[0], num_spec, d, overlap, host) * factor(d if num_spec else 0)
+            t = times[key] = _time(costs, key[0], num_spec, d, overlap) * factor(d if num_spec else 0)
         t = max(t + emit + f_catch + catch, beside)  # the router's and proxy's share runs beside the step
         return tokens / t if t > 0 else 0.0
 
@@ -193,7 +193,7 @@ def plan_step(
         ks[i] = min(best_k, candidates[i].cap)
     spec = [i for i in range(b) if ks[i] > 0]
     depth = max((ks[i] for i in spec), default=0)
-    step_s = _time(costs, pass_tokens(sum(ks[i] for i in spec) + b, depth), len(spec), depth, overlap, host) if b else 0.0
+    step_s = _time(costs, pass_tokens(sum(ks[i] for i in spec) + b, depth), len(spec), depth, overlap) if b else 0.0
     return StepPlan(ks, best, plain, explored, depth=depth, step_s=step_s,
                     catch_up_s=sum(candidates[i].catch_up_s for i in spec))
 

@@ -22,7 +22,7 @@ def _goodput(cands: list[StepCandidate], ks: list[int], costs: StepCosts, padded
     es = [expected_tokens_per_step(c.alpha, k) for c, k in zip(cands, ks)]
     tokens = sum(es)
     pass_tokens = len(ks) * (max(ks) + 1) if padded else sum(k + 1 for k in ks)
-    t = costs.target(pass_tokens) + costs.t_overhead + len(ks) * costs.config.chunk_s
+    t = costs.target(pass_tokens) + costs.t_overhead(any(ks)) + len(ks) * costs.config.chunk_s
     t += sum(c.catch_up_s * min(1.0, e / c.remaining) for c, k, e in zip(cands, ks, es) if k)
     spec = [k for k in ks if k]
     if spec:
@@ -169,6 +169,25 @@ def test_host_overhead_per_step_favours_steps_that_emit_more() -> None:
     assert any(plan_step(cands, _costs(exchange_s=0.02, overhead_s=0.1), margin=1.05).ks)
     # the same for a host cost per streamed chunk, which grows with the batch
     assert any(plan_step(cands, _costs(exchange_s=0.02, chunk_s=0.03), margin=1.05).ks)
+
+
+def test_host_overhead_is_measured_apart_for_plain_and_drafting_steps() -> None:
+    # one sequence at acceptance 0.7: with no host overhead the planner drafts (margin 1.05)
+    cands = _auto(0.7)
+    costs = _costs()
+    assert plan_step(cands, costs, margin=1.05).ks[0] > 0
+    # drafting steps measured at 15 ms of host work, plain ones at 1 ms: each kind is priced at its own
+    for _ in range(20):
+        costs.observe_overhead(0.015, speculative=True)
+        costs.observe_overhead(0.001, speculative=False)
+    assert costs.t_overhead(True) == pytest.approx(0.015) and costs.t_overhead(False) == pytest.approx(0.001)
+    plan = plan_step(cands, costs, margin=1.05)
+    assert plan.ks == [0]
+    best = plan_step(cands, costs, margin=1.0)  # with no margin: the best by the module's formula
+    assert best.goodput == pytest.approx(_goodput(cands, best.ks, costs))
+    assert all(best.goodput >= _goodput(cands, [k], costs) - 1e-9 for k in range(9))
+    # one average of both (what the engine kept before) would have called the same step a draft
+    assert plan_step(cands, _costs(overhead_s=0.008), margin=1.05).ks[0] > 0
 
 
 def test_chunks_streamed_beside_the_step_cost_nothing_until_they_outlast_it() -> None:
