@@ -17,8 +17,9 @@ target's greedy output whatever happens: every token is still verified.
 Why rows, not a token tree: FastLlama already keeps one cache row per batch row with its own
 positions and mask, so a branch is a row whose cache below the branch point equals the main row's.
 A fork copies only the positions the row has not synced with the main row yet (accepted positions
-never change, so a row stays synced below them; a few positions per pass). The runner-up stays on
-the device. The rows step together as one batch in one CUDA graph. The bf16 1B draft reads its
+never change, so a row stays synced below them; a few positions per pass). A pass's forks are one
+more CUDA graph replay, fed by one small copy of their arguments. The runner-up stays on the
+device. The rows step together as one batch in one CUDA graph. The bf16 1B draft reads its
 weights once for all rows: on an H200 a forward over 6-8 rows costs ~0.2 ms more than one row
 (bench/RESULTS.md section 2). An int8 draft's few-row kernels do not scale that way.
 """
