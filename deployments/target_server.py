@@ -199,7 +199,8 @@ class TargetServer:
                 if u.drafted:
                     self.policy.acceptance.observe("default", u.drafted, u.accepted)
         if times.batch_size:
-            self.policy.costs.observe_overhead(times.overhead, speculative=times.num_speculating > 0)
+            # a step whose draft call failed decoded plainly: its host time is a plain step's
+            self.policy.costs.observe_overhead(times.overhead, speculative=drafted > 0)
             kind = "verify" if times.num_speculating else "decode"
             self.metrics.observe_step(kind, times.target)
             self.policy.costs.observe_target(times.tokens_in_pass, times.target)

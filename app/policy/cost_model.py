@@ -225,8 +225,10 @@ class StepCosts:
 
     def t_overhead(self, speculative: bool) -> float:
         """Host time of an engine step outside the forwards, for a plain step or one where some
-        sequence drafts: a fixed cost per step, so it favours steps that emit more tokens."""
-        return self._overhead[speculative].value
+        sequence drafts: a fixed cost per step, so it favours steps that emit more tokens. Until
+        one kind has been measured it is priced as the other (a measurement beats the prior)."""
+        own, other = self._overhead[speculative], self._overhead[not speculative]
+        return own.value if own.count or not other.count else other.value
 
     def t_draft_prefill(self, prompt_tokens: int) -> float:
         return max(prompt_tokens, 0) * self._prefill_per_token.value

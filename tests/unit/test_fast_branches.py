@@ -82,26 +82,32 @@ def test_queueing_the_draft_first_changes_nothing_but_the_order(fast_hf_pair, co
                                                                  stats_first.restarts)
 
 
-@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("beta", [None, 0.0, 1.0])
 def test_graph_fork_equals_the_eager_fork(fast_hf_pair, code_prompt, full, beta, monkeypatch) -> None:
     # the fixed-shape drop-and-fork (what the CUDA graph replays; eager here) must leave every row as
-    # the eager fork does: the same passes, hits and restarts, and the plain output
+    # the eager fork does. beta None: the pair's own top-2, so a branch whose K/V or first token were
+    # wrong would draft differently (and hit or miss differently) than the eager fork's
     ref = _reference(code_prompt, full)
     runs = {}
-    calls = []
-    real = BranchingDraft._drop_and_fork
-    monkeypatch.setattr(BranchingDraft, "_drop_and_fork", lambda self: (calls.append(1), real(self)))
+    graph_passes = []  # per pass-start fork (drop_others): taken by the fixed-shape path
+    real = BranchingDraft._fork_queued
+    monkeypatch.setattr(BranchingDraft, "_fork_queued",
+                        lambda self, rows, positions, lo, drop: (graph_passes.append(drop), real(self, rows, positions, lo, drop)))
     for graph in (True, False):
-        calls.clear()
+        graph_passes.clear()
         target = FastLlama(fast_hf_pair[0], max_len=MAX_LEN)
+        propose = None if beta is None else ControlledBranches(ref, alpha=0.6, beta=beta, vocab=4096, seed=3)
         # the model holds more cache rows than the draft uses (as bench.gpu_branches' does)
-        draft = BranchingDraft(FastLlama(fast_hf_pair[1], max_batch=7, max_len=MAX_LEN), 5,
-                               ControlledBranches(ref, alpha=0.6, beta=beta, vocab=4096, seed=3), fork_graph=graph)
+        draft = BranchingDraft(FastLlama(fast_hf_pair[1], max_batch=7, max_len=MAX_LEN), 5, propose, fork_graph=graph)
         out, stats = branching_generate(target, draft, code_prompt, N_NEW, 3, 4)
-        runs[graph] = (out, stats.passes, stats.forks, stats.branch_tries, stats.branch_hits, stats.restarts)
-        assert (len(calls) >= stats.passes - 1) if graph else not calls  # after the first fork, every pass's forks
+        runs[graph] = (out, stats.passes, stats.forks, stats.accepted, stats.branch_tries, stats.branch_hits,
+                       stats.restarts)
+        # a row's first fork copies from the prompt on (wider than FORK_SPAN): eager; every later pass: the graph
+        assert sum(graph_passes) >= stats.passes - 4 if graph else not graph_passes
     assert runs[True] == runs[False]
     assert runs[True][0] == full[:N_NEW]
+    if beta is None:
+        assert runs[True][5] > 0  # the pair's runner-up was adopted: branch rows drafted from real K/V
 
 
 def test_controlled_alpha_one_never_restarts(fast_hf_pair, code_prompt, full) -> None:
