@@ -206,12 +206,22 @@ class BranchingDraft:
         lo = min((min(self._synced[r], q) for r, q in zip(rows, positions)), default=self.park)
         hi = max(positions, default=self.park)
         if self.fork_graph and hi - lo <= FORK_SPAN:
-            self._fork_queued(rows, positions, lo, drop_others)
-            return
+            self._queue_drop_and_fork(rows, positions, lo, drop_others)
+        else:
+            if drop_others:
+                self._park_others()
+            if rows:
+                self._fork_eagerly(rows, positions, lo, hi)
+        # the host mirror, whichever way the device work went
         if drop_others:
-            self.drop_branches()
-        if not rows:
-            return
+            self._forget_others()
+        for r, q in zip(rows, positions):
+            self._synced[r] = q
+            self.next_position[r] = q + 1
+
+    def _fork_eagerly(self, rows: list[int], positions: list[int], lo: int, hi: int) -> None:
+        """fork()'s device work as indexing kernels, for any span [lo, hi)."""
+        m = self.main
         idx = to_device(rows, self.device)[0]  # [F]
         pos = to_device(positions, self.device)[0]  # [F]
         if lo < hi:
@@ -224,12 +234,10 @@ class BranchingDraft:
         self._tok[idx, 0] = first
         self._pos[idx, 0] = pos
         self._live[idx] = True
-        for r, q in zip(rows, positions):
-            self._synced[r] = q
-            self.next_position[r] = q + 1
 
-    def _fork_queued(self, rows: list[int], positions: list[int], lo: int, drop_others: bool) -> None:
-        """fork() as one copy of its arguments and one replay of _drop_and_fork."""
+    def _queue_drop_and_fork(self, rows: list[int], positions: list[int], lo: int, drop_others: bool) -> None:
+        """fork()'s device work (and drop_branches', with drop_others) as one copy of its arguments
+        and one replay of _drop_and_fork."""
         R, m = self.rows, self.main
         args = [1 if drop_others and r != m else 0 for r in range(R)] + [0] * R + [self.park] * R + [lo, m]
         for r, q in zip(rows, positions):
@@ -243,17 +251,20 @@ class BranchingDraft:
                 self._fork_graph.replay()
         else:
             self._drop_and_fork()
-        if drop_others:
-            self.next_position = [p if r == m else self.park + 1 for r, p in enumerate(self.next_position)]
-        for r, q in zip(rows, positions):
-            self._synced[r] = q
-            self.next_position[r] = q + 1
 
     def drop_branches(self) -> None:
         """Park every row but the main one (last pass's branches)."""
+        self._park_others()
+        self._forget_others()
+
+    def _park_others(self) -> None:
+        """drop_branches' device work."""
         others = self._others[self.main]  # [R] bool
         self._live.masked_fill_(others, False)
         self._pos.masked_fill_(others.view(-1, 1), self.park)
+
+    def _forget_others(self) -> None:
+        """drop_branches' host mirror: every row but the main one is parked."""
         self.next_position = [p if r == self.main else self.park + 1 for r, p in enumerate(self.next_position)]
 
     def adopt(self, row: int) -> None:

@@ -90,8 +90,8 @@ def test_graph_fork_equals_the_eager_fork(fast_hf_pair, code_prompt, full, beta,
     ref = _reference(code_prompt, full)
     runs = {}
     graph_passes = []  # per pass-start fork (drop_others): taken by the fixed-shape path
-    real = BranchingDraft._fork_queued
-    monkeypatch.setattr(BranchingDraft, "_fork_queued",
+    real = BranchingDraft._queue_drop_and_fork
+    monkeypatch.setattr(BranchingDraft, "_queue_drop_and_fork",
                         lambda self, rows, positions, lo, drop: (graph_passes.append(drop), real(self, rows, positions, lo, drop)))
     for graph in (True, False):
         graph_passes.clear()
