@@ -83,12 +83,28 @@ class StepPlan:
     catch_up_s: float = 0.0  # predicted catch-up prefill of the sequences that draft this step, in full
 
 
-def _time(costs: StepCosts, pass_tokens: int, num_spec: int, depth: int, overlap: bool) -> float:
-    verify = costs.target(max(pass_tokens, 1))  # one target forward over every token of the pass
-    if num_spec == 0:
-        return verify + costs.t_overhead(False)
-    side = depth * costs.t_draft(num_spec) + costs.t_exchange
-    return verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead(True)
+class _StepPrices:
+    """The step-time model's lookups for one plan, each cost-curve lookup made once: a search over
+    (m, k) asks for the same pass sizes and draft batches many times (at b = 16, ~130 plans)."""
+
+    def __init__(self, costs: StepCosts, overlap: bool) -> None:
+        self.costs, self.overlap = costs, overlap
+        self.host = (costs.t_overhead(False), costs.t_overhead(True))  # plain, drafting
+        self.exchange = costs.t_exchange
+        self._target: dict[int, float] = {}
+        self._draft: dict[int, float] = {}
+
+    def time(self, pass_tokens: int, num_spec: int, depth: int) -> float:
+        verify = self._target.get(pass_tokens)
+        if verify is None:  # one target forward over every token of the pass
+            verify = self._target[pass_tokens] = self.costs.target(max(pass_tokens, 1))
+        if num_spec == 0:
+            return verify + self.host[0]
+        draft = self._draft.get(num_spec)
+        if draft is None:
+            draft = self._draft[num_spec] = self.costs.t_draft(num_spec)
+        side = depth * draft + self.exchange
+        return verify + (max(0.0, side - verify) if self.overlap else side) + self.host[1]
 
 
 def _e_table(alpha: float, cap: int) -> list[float]:
@@ -143,9 +159,10 @@ def plan_step(
     f_pass = sum(ks[i] + 1 for i in forced)
     f_depth = max((ks[i] for i in forced), default=0)
     n_rest = b - len(forced)  # plain unless chosen below
-    # host time of any step: the engine's own (in _time: inside the step's wall time, so calibrated
+    # host time of any step: the engine's own (in prices.time: inside the step's wall time, so calibrated
     # with it) and the streamed chunks' (the router's and proxy's work, outside it: never calibrated)
     emit, beside = costs.t_emit(b), costs.t_emit_beside(b)
+    prices = _StepPrices(costs, overlap)
     times: dict[tuple[int, int, int], float] = {}  # the engine time of (pass tokens, drafting, depth)
 
     def factor(depth: int) -> float:
@@ -160,7 +177,7 @@ def plan_step(
         key = (pass_tokens(f_pass + prefix_pass + (n_rest - m), d), num_spec, d)
         t = times.get(key)
         if t is None:  # padded passes repeat: one curve lookup per (tokens, drafting, depth)
-            t = times[key] = _time(costs, key[0], num_spec, d, overlap) * factor(d if num_spec else 0)
+            t = times[key] = prices.time(*key) * factor(d if num_spec else 0)
         t = max(t + emit + f_catch + catch, beside)  # the router's and proxy's share runs beside the step
         return tokens / t if t > 0 else 0.0
 
@@ -193,7 +210,7 @@ def plan_step(
         ks[i] = min(best_k, candidates[i].cap)
     spec = [i for i in range(b) if ks[i] > 0]
     depth = max((ks[i] for i in spec), default=0)
-    step_s = _time(costs, pass_tokens(sum(ks[i] for i in spec) + b, depth), len(spec), depth, overlap) if b else 0.0
+    step_s = prices.time(pass_tokens(sum(ks[i] for i in spec) + b, depth), len(spec), depth) if b else 0.0
     return StepPlan(ks, best, plain, explored, depth=depth, step_s=step_s,
                     catch_up_s=sum(candidates[i].catch_up_s for i in spec))
 
@@ -220,6 +237,8 @@ def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw
     mean_drafting = {i for i, (c, k) in enumerate(zip(candidates, on_mean.ks)) if k > 0 and c.adaptive}
     if not mean_drafting or on_mean.explored:
         return on_mean
+    if len(mean_drafting) == sum(1 for c in candidates if c.adaptive and c.cap > 0):
+        return on_mean  # every adaptive sequence drafts already: optimism has no one to add (the usual case under load)
     plan = plan_step(candidates, costs, optimistic=True, **kw)
     drafting = {i for i, (c, k) in enumerate(zip(candidates, plan.ks)) if k > 0 and c.adaptive}
     if drafting <= mean_drafting:
