@@ -15,7 +15,8 @@ Rows, per alpha, all in one run on one card pair:
 - overlapped as built (one chain; fast_decode.speculative_generate), bf16 draft;
 - overlapped with branches (app/fast_branches.py), bf16 draft, R cache rows (1 main + R - 1 branches), at each beta:
   as built (a pass's forks as one graph replay), with the eager fork, and (--both-orders) with the
-  draft's work queued before the target's verify.
+  draft's work queued before the target's verify;
+- the same branches with the verdict on the device (app/fast_branch_graph.py), same k and R.
 k and the overlap depth are chosen from this run's measured step costs by the loop's Markov chain
 (bench/overlap_bound.py; for branches also R, the loop as built with its draft step priced at its R-row
 cost). Each row's
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from app.fast_branch_graph import BranchingPassGraphs
 from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
 from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
 from app.fast_llama import FastLlama
@@ -96,7 +98,7 @@ def main() -> None:
                               "torch": torch.__version__, "new_tokens": n, "prompt_tokens": P}
     target_hf, draft_hf0, draft_hf1 = random_llama("8b"), random_llama("1b"), random_llama("1b", "cuda:1")
     prompt = torch.randint(0, VOCAB, (1, P), device="cuda:0", generator=torch.Generator("cuda").manual_seed(1))
-    max_len = P + n + 3 * max_k + 32
+    max_len = P + n + 3 * max_k + 64  # room for the device-verdict loop's fixed window and steps
     ft = FastLlama(target_hf, max_len=max_len, compile_elementwise=True, attention="grouped")
     for w in range(1, max_k + 2):
         ft.capture(w)
@@ -194,6 +196,19 @@ def main() -> None:
                 rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
                 log(f"  per pass: {rows[-1]['busy']}")
             drafts[R].fork_graph = True
+            # the same k and R with the verdict on the device (app/fast_branch_graph.py): the host only
+            # queues graph replays; its draft runs L steps every pass, L <= k + 1
+            # (as built: its small control ops compiled into a few kernels; and without compiling them)
+            L_dev = min(L, k + 1)
+            for mode, compiled in (("branching, device verdict", True), ("branching, device verdict, eager ops", False)):
+                device_loop = BranchingPassGraphs(ft, drafts[R], k, L_dev, compile_control=compiled)
+                propose.reseed(alpha, beta, seed=7)  # capturing the draft's pass drew coins
+                tok_s, (out, stats) = measure(lambda: device_loop.generate(prompt, n), n)
+                record(mode, "bf16", alpha, beta, k, L_dev, tok_s, out, stats, ms)
+                rows[-1]["rows"] = R
+                rows[-1]["busy"] = {"wall_ms_per_pass": n / tok_s / max(1, stats.passes) * 1e3}
+                log(f"  per pass: {rows[-1]['busy']}")
+                del device_loop
     res["rows"] = rows
     res["wall_s"] = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,11 +216,11 @@ def main() -> None:
     seq = {(r["draft_weights"], r["alpha"]): r["tok_s"] for r in rows if r["mode"] == "sequential-graph"}
     print(f"\n{res['card']} x{res['gpus']}, {n} new tokens after a {P}-token prompt, batch 1, greedy; "
           f"plain 8B {plain_tok_s:.1f} tok/s")
-    print(f"{'mode':24} {'draft':5} {'α':>4} {'β':>5} {'k':>2} {'L':>2} {'R':>2} {'tok/s':>7} {'vs plain':>8} {'pred.':>6} "
+    print(f"{'mode':36} {'draft':5} {'α':>4} {'β':>5} {'k':>2} {'L':>2} {'R':>2} {'tok/s':>7} {'vs plain':>8} {'pred.':>6} "
           f"{'/ seq bf16':>10} {'/ seq int8':>10} {'hits':>9} same")
     for r in rows:
         beta = "-" if r["beta"] is None else f"{r['beta']:.2f}"
-        print(f"{r['mode']:24} {r['draft_weights']:5} {r['alpha']:4.1f} {beta:>5} {r['k']:2d} {r['overlap_steps']:2d} "
+        print(f"{r['mode']:36} {r['draft_weights']:5} {r['alpha']:4.1f} {beta:>5} {r['k']:2d} {r['overlap_steps']:2d} "
               f"{r.get('rows', 1):2d} "
               f"{r['tok_s']:7.1f} {r['speedup_vs_plain']:8.2f} {r['predicted_speedup']:6.2f} "
               f"{r['tok_s'] / seq['bf16', r['alpha']]:10.2f} {r['tok_s'] / seq['int8', r['alpha']]:10.2f} "
