@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.7)
     ap.add_argument("--beta", type=float, default=0.41)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--model-rows", type=int, default=None, help="cache rows of the draft model (default: --rows)")
+    ap.add_argument("--eager-too", action="store_true", help="also time the loop with its control ops uncompiled")
     args = ap.parse_args()
     P, n = 128, args.new_tokens
     max_len = P + n + 96
@@ -76,15 +79,19 @@ def main() -> None:
     reference = plain_generate(GreedyLoop(target), prompt, n + 48)
     ref = torch.zeros(max_len, dtype=torch.long)
     ref[P: P + len(reference)] = torch.tensor(reference)
-    draft_model = FastLlama(random_llama("1b", "cuda:1"), max_batch=args.rows, max_len=max_len, attention="grouped",
+    draft_model = FastLlama(random_llama("1b", "cuda:1"), max_batch=args.model_rows or args.rows, max_len=max_len, attention="grouped",
                             compile_elementwise=True)
     propose = ControlledBranches(ref.to("cuda:1"), args.alpha, args.beta, vocab=128256, seed=7)
-    for compiled in (True, False):
+    for compiled in (True, False) if args.eager_too else (True,):
         loop = TimedPasses(target, BranchingDraft(draft_model, args.rows, propose), args.k, args.steps,
                            compile_control=compiled)
         loop.generate(prompt, n)  # warm-up
         loop.marks.clear()
+        t0 = time.perf_counter()
         out, stats = loop.generate(prompt, n)
+        wall = time.perf_counter() - t0
+        cycles = [a[0].elapsed_time(b[0]) for a, b in zip(loop.marks, loop.marks[1:])]
+        span = loop.marks[0][0].elapsed_time(loop.marks[-1][2])
         assert out == reference[:n], "output differs from plain greedy decoding"
         m = loop.marks[2:-2]  # inside the run, away from its first and last passes
         ms = lambda a, b: statistics.median(a_.elapsed_time(b_) for a_, b_ in zip(a, b))  # noqa: E731
@@ -96,7 +103,10 @@ def main() -> None:
         print(f"  verify                         {ms(col(1), col(2)):.3f}")
         print(f"  draft pass                     {ms(col(3), col(4)):.3f}")
         print(f"  verify end -> next verdict     {ms(col(2), col(0, 1)):.3f}  (target idle)")
-        print(f"  draft end -> next draft start  {ms(col(4), col(3, 1)):.3f}  (draft idle)", flush=True)
+        print(f"  draft end -> next draft start  {ms(col(4), col(3, 1)):.3f}  (draft idle)")
+        print(f"  whole call {wall * 1e3:.1f} ms; first verdict to last verify {span:.1f} ms over {len(loop.marks)} "
+              f"queued passes; cycle mean {statistics.mean(cycles):.3f}, max {max(cycles):.3f}; cycles over 6 ms: "
+              f"{[round(c, 2) for c in cycles if c > 6]}", flush=True)
         del loop
 
 

@@ -173,6 +173,7 @@ def main() -> None:
     drafts = {r: BranchingDraft(model, r, propose) for r in range(2, max_k + 3)}
     t_rows = {r: branch_step_time(d) * 1e3 for r, d in drafts.items()}
     res["t_draft_ms_by_rows_bf16"] = t_rows
+    exact: dict[int, BranchingDraft] = {}
     log(f"bf16 draft step by rows (ms): { {r: round(t, 3) for r, t in t_rows.items()} }")
     for alpha in alphas:
         for beta in betas:
@@ -183,6 +184,9 @@ def main() -> None:
                               for k in range(1, max_k + 1) for L in range(1, k + 3) for R in range(2, k + 3))
             # the loop as built (fork graph, verify queued first) and two variants side by side:
             # the eager fork (before session 12) and the draft's work queued before the verify
+            if R not in exact:  # a model with exactly R cache rows (bench.gpu_branch_timeline: see RESULTS section 2)
+                exact[R] = BranchingDraft(fast_draft("cuda:1", "bf16", rows=R), R, propose)
+            drafts[R] = exact[R]
             variants = [("branching", True, False), ("branching, eager fork", False, False)]
             if args.both_orders:
                 variants.append(("branching, draft first", True, True))
