@@ -86,6 +86,12 @@ def main() -> None:
         loop = TimedPasses(target, BranchingDraft(draft_model, args.rows, propose), args.k, args.steps,
                            compile_control=compiled)
         loop.generate(prompt, n)  # warm-up
+        walls = []
+        for _ in range(3):  # whole calls, as bench.gpu_branches times them
+            t0 = time.perf_counter()
+            loop.generate(prompt, n)
+            walls.append(round((time.perf_counter() - t0) * 1e3, 1))
+        print(f"three more calls, ms: {walls}")
         loop.marks.clear()
         t0 = time.perf_counter()
         out, stats = loop.generate(prompt, n)
