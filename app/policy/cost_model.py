@@ -41,15 +41,26 @@ class _Ema:
 
     The step is max(decay, 1/(n+1)): a running mean for the first few samples (so one noisy
     sample is not weighted like a hundred), then an exponential average that follows drift.
+
+    Once warmed up, one observation counts at most OUTLIER times the mean (a winsorised average).
+    Why: on a shared host a step the OS held up for tens of milliseconds is not what a step of that
+    shape costs. Measured on the 2-core CPU app at 1 stream (bench/RESULTS.md section 7, run Y),
+    the planner's plain step swung between 6.1 and 8.5 ms across its depth reports, and the planner
+    drafted in bursts exactly while the plain step looked dear. A real rise is still followed: at
+    up to (OUTLIER - 1) * decay per observation, a doubling within ~7 observations at decay 0.1.
     """
 
     __slots__ = ("value", "count", "decay")
+    OUTLIER = 2.0
+    WARM = 3  # observations before the clip applies
 
     def __init__(self, value: float, decay: float) -> None:
         self.value, self.count, self.decay = value, 0, decay
 
     def observe(self, x: float) -> None:
         self.count += 1
+        if self.count > self.WARM and self.value > 0:
+            x = min(x, self.OUTLIER * self.value)
         self.value += max(self.decay, 1.0 / self.count) * (x - self.value)
 
 

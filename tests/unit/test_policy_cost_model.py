@@ -53,6 +53,22 @@ def test_curve_first_measurement_replaces_prior_then_decays():
     assert curve(1) == pytest.approx(0.01, rel=1e-3)
 
 
+def test_one_stalled_step_barely_moves_the_curve_but_a_real_rise_is_followed():
+    curve = CostCurve(base_s=0.02, knee_tokens=64, decay=0.1)
+    for _ in range(30):
+        curve.observe(1, 0.006)
+    curve.observe(1, 0.050)  # a step the OS held up: 8x the usual
+    assert curve(1) == pytest.approx(0.006 * 1.1)  # counted as 2x: +10 %, not +73 %
+    for _ in range(30):
+        curve.observe(1, 0.006)
+    for _ in range(15):  # the machine really got 2x slower
+        curve.observe(1, 0.012)
+    assert curve(1) == pytest.approx(0.012, rel=0.25)
+    for _ in range(30):
+        curve.observe(1, 0.012)
+    assert curve(1) == pytest.approx(0.012, rel=0.01)
+
+
 def test_curve_off_grid_measurement_is_reproduced_and_monotone():
     curve = CostCurve(base_s=0.02, knee_tokens=64)
     curve.observe(40, 0.2)  # between grid points 32 and 48
