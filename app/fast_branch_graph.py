@@ -58,6 +58,9 @@ class BranchingPassGraphs:
             raise ValueError(f"k={k}, steps={steps}: the loop needs k >= 1 proposals and steps >= 1 draft steps a pass")
         if steps > k + 1:
             raise ValueError(f"steps={steps} > k + 1 = {k + 1}: the chain would outgrow what a pass can verify")
+        if target.device.type != draft.device.type:
+            raise ValueError(f"target on {target.device}, draft on {draft.device}: put both on CUDA devices "
+                             "(or both on the CPU, which runs the same ops eagerly)")
         self.target, self.draft, self.k, self.steps = target, draft, k, steps
         self.td, self.dd = target.device, draft.device
         R, W, ML = draft.rows, k + 1, draft.max_len
