@@ -154,12 +154,18 @@ class CostCurve:
         ema.observe(seconds)  # the first observation replaces the prior (step 1/1)
         self._fit = None
 
-    def points(self) -> list[tuple[int, float, bool]]:
-        """(tokens, seconds, measured?): every measured count plus the grid between, for logs."""
+    def measured_at(self, tokens: float) -> float | None:
+        """The decaying mean of the passes measured in this token count's bucket (no fit), or None."""
+        ema = self._measured.get(self._bucket(tokens))
+        return ema.value if ema is not None else None
+
+    def points(self, scale: float = 1.0) -> list[tuple[int, float, bool]]:
+        """(tokens, seconds, measured?): every measured count plus the grid between, for logs;
+        seconds times `scale` (StepCosts keeps its curves at a reference machine speed)."""
         ts, vs = self._fitted()
         measured = {int(t): v for t, v in zip(ts, vs)}
-        out = [(t, v, True) for t, v in measured.items()]
-        out += [(g, self(g), False) for g in self._grid if g not in measured]
+        out = [(t, v * scale, True) for t, v in measured.items()]
+        out += [(g, self(g) * scale, False) for g in self._grid if g not in measured]
         return sorted(out)
 
 
@@ -189,14 +195,38 @@ class StepCostsConfig(BaseModel):
                     "where the batch's chunks outlast the step (step_plan.py); 0 where they run elsewhere")
     draft_prefill_per_token_s: float | None = Field(None, ge=0, description="defaults to the draft curve's slope past its knee")
     decay: float = Field(0.1, gt=0, le=1, description="weight of a new measurement once warmed up")
+    speed_decay: float = Field(
+        0.5, ge=0, le=1,
+        description="weight of a new measurement in the machine-speed factor (StepCosts): how fast a slowdown "
+                    "common to every pass (a busy host, a throttled clock) is taken as the machine's, not as the "
+                    "measured pass kind's; 0: no speed factor (each curve keeps what it last measured)")
 
 
 class StepCosts:
-    """Measured step times: t_decode(b), t_verify(b, k), t_draft(b), t_exchange, t_draft_prefill(P)."""
+    """Measured step times: t_decode(b), t_verify(b, k), t_draft(b), t_exchange, t_draft_prefill(P).
+
+    Every measured time is stored divided by a **machine-speed factor** and read back multiplied by
+    its current value. Why: the policy compares kinds of step that are measured at different
+    moments. At 1 stream on the CPU app the plain step is measured ~140 times a second and the
+    drafting step's parts only when it drafts; when the host slowed down, the plain step's price
+    rose while the drafting parts kept the price of a faster moment, drafting looked cheaper than it
+    was, and the planner drafted in bursts exactly then and lost 3 % to plain decoding (bench/
+    RESULTS.md section 7, runs Y and Z; the plain step's price swung 6.2-9.2 ms between reports).
+    A pass measured again at a token count measured before says how much slower or faster the
+    machine is than when that count was stored; the factor follows that ratio quickly
+    (`speed_decay`) and a slowdown seen on one kind of pass raises every price alike, so the
+    comparison is between prices of one moment. A change in one kind's *relative* cost still
+    reaches its own curve: the factor only takes the part common to what is measured. While one
+    kind is measured alone, the split of its change between the factor and its curve goes by the
+    two decays: at 0.5 against the curves' 0.1, the curve keeps ~7 % of it (a 1.5x slowdown on
+    plain steps alone leaves plain ~3.5 % dearer against the drafting parts, not 50 %).
+    """
 
     def __init__(self, config: StepCostsConfig | None = None) -> None:
         c = config or StepCostsConfig()
         self.config = c
+        # current machine time / the time the curves are stored at; 1 until a count is re-measured
+        self._speed = _Ema(1.0, c.speed_decay) if c.speed_decay > 0 else None
         draft_knee = c.draft_knee_tokens or c.knee_tokens
         self.target = CostCurve(c.target_step_s, c.knee_tokens, c.decay)
         self.draft = CostCurve(c.target_step_s * c.draft_ratio, draft_knee, c.decay)
@@ -212,18 +242,34 @@ class StepCosts:
         self._prefill_per_token = _Ema(per_token, c.decay)
 
     # -- queries ---------------------------------------------------------------------------------
+    @property
+    def speed(self) -> float:
+        """How much slower the machine runs now than the times the curves are stored at."""
+        return self._speed.value if self._speed is not None and self._speed.count else 1.0
+
+    def t_pass(self, tokens: int) -> float:
+        """One target forward over `tokens` tokens (a mixed batch of decodes and verifies)."""
+        return self.target(max(tokens, 1)) * self.speed
+
     def t_decode(self, b: int) -> float:
-        return self.target(max(b, 1))
+        return self.t_pass(max(b, 1))
 
     def t_verify(self, b: int, k: int) -> float:
-        return self.target(max(b, 1) * (max(k, 0) + 1))
+        return self.t_pass(max(b, 1) * (max(k, 0) + 1))
 
     def t_draft(self, b: int) -> float:
-        return self.draft(max(b, 1))
+        return self.draft(max(b, 1)) * self.speed
 
     @property
     def t_exchange(self) -> float:
-        return self._exchange.value
+        return self._exchange.value * self.speed
+
+    def target_points(self) -> list[tuple[int, float, bool]]:
+        """The target curve at the current machine speed, for logs and policy_state."""
+        return self.target.points(self.speed)
+
+    def draft_points(self) -> list[tuple[int, float, bool]]:
+        return self.draft.points(self.speed)
 
     def t_emit(self, b: int) -> float:
         """Host time that streaming one chunk per sequence of a b-sequence step adds to it (configured)."""
@@ -239,33 +285,43 @@ class StepCosts:
         sequence drafts: a fixed cost per step, so it favours steps that emit more tokens. Until
         one kind has been measured it is priced as the other (a measurement beats the prior)."""
         own, other = self._overhead[speculative], self._overhead[not speculative]
-        return own.value if own.count or not other.count else other.value
+        return (own.value if own.count or not other.count else other.value) * self.speed
 
     def t_draft_prefill(self, prompt_tokens: int) -> float:
-        return max(prompt_tokens, 0) * self._prefill_per_token.value
+        return max(prompt_tokens, 0) * self._prefill_per_token.value * self.speed
 
     # -- live measurements -----------------------------------------------------------------------
+    def _observe_pass(self, curve: CostCurve, tokens: float, seconds: float) -> None:
+        """A forward pass: first update the machine speed from it (when its token count was
+        measured before), then store it at the reference speed."""
+        if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        stored = curve.measured_at(tokens)
+        if self._speed is not None and stored is not None and stored > 0:
+            self._speed.observe(seconds / stored)
+        curve.observe(tokens, seconds / self.speed)
+
     def observe_target(self, tokens: int, seconds: float) -> None:
         """Any target forward (a mixed batch of decodes and verifies counts its total tokens)."""
-        self.target.observe(tokens, seconds)
+        self._observe_pass(self.target, tokens, seconds)
 
     def observe_decode(self, b: int, seconds: float) -> None:
-        self.target.observe(b, seconds)
+        self._observe_pass(self.target, b, seconds)
 
     def observe_verify(self, b: int, k: int, seconds: float) -> None:
-        self.target.observe(b * (k + 1), seconds)
+        self._observe_pass(self.target, b * (k + 1), seconds)
 
     def observe_draft(self, b: int, seconds: float) -> None:
-        self.draft.observe(b, seconds)
+        self._observe_pass(self.draft, b, seconds)
 
     def observe_exchange(self, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds):
-            self._exchange.observe(seconds)
+            self._exchange.observe(seconds / self.speed)
 
     def observe_overhead(self, seconds: float, speculative: bool) -> None:
         """One engine step's host time outside the forwards; `speculative`: some sequence drafted."""
         if seconds >= 0 and math.isfinite(seconds):
-            self._overhead[speculative].observe(seconds)
+            self._overhead[speculative].observe(seconds / self.speed)
 
     def observe_draft_call(self, batch: int, depth: int, compute_s: float, first: FirstPass) -> float | None:
         """One draft call: `depth` batched steps for `batch` sequences in `compute_s`. When its
@@ -289,7 +345,7 @@ class StepCosts:
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
-            self._prefill_per_token.observe(seconds / tokens)
+            self._prefill_per_token.observe(seconds / tokens / self.speed)
 
 
 def speedup(

@@ -283,6 +283,7 @@ class SpeculationPolicy:
         max_cap = max(c.cap for c in candidates)
         plain = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap, only_depth=0).plain_goodput
         parts.append(f"host ms plain/drafting {1e3 * self.costs.t_overhead(False):.2f}/{1e3 * self.costs.t_overhead(True):.2f}")
+        parts.append(f"machine speed {self.costs.speed:.3f}")
         parts.append(f"plain {plain:.0f}")
         for k in range(1, max_cap + 1):
             p = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap, only_depth=k)

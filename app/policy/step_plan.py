@@ -97,7 +97,7 @@ class _StepPrices:
     def time(self, pass_tokens: int, num_spec: int, depth: int) -> float:
         verify = self._target.get(pass_tokens)
         if verify is None:  # one target forward over every token of the pass
-            verify = self._target[pass_tokens] = self.costs.target(max(pass_tokens, 1))
+            verify = self._target[pass_tokens] = self.costs.t_pass(pass_tokens)
         if num_spec == 0:
             return verify + self.host[0]
         draft = self._draft.get(num_spec)

@@ -22,7 +22,7 @@ def _goodput(cands: list[StepCandidate], ks: list[int], costs: StepCosts, padded
     es = [expected_tokens_per_step(c.alpha, k) for c, k in zip(cands, ks)]
     tokens = sum(es)
     pass_tokens = len(ks) * (max(ks) + 1) if padded else sum(k + 1 for k in ks)
-    t = costs.target(pass_tokens) + costs.t_overhead(any(ks)) + len(ks) * costs.config.chunk_s
+    t = costs.t_pass(pass_tokens) + costs.t_overhead(any(ks)) + len(ks) * costs.config.chunk_s
     t += sum(c.catch_up_s * min(1.0, e / c.remaining) for c, k, e in zip(cands, ks, es) if k)
     spec = [k for k in ks if k]
     if spec:
