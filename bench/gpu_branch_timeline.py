@@ -1,12 +1,20 @@
 """Where a pass of the device-verdict branching loop (app/fast_branch_graph.py) spends its time, per GPU.
 
-    python3 -m bench.gpu_branch_timeline [--k 3 --steps 3 --rows 5 --alpha 0.7 --beta 0.41]
+    python3 -m bench.gpu_branch_timeline [--k 3 --steps 3 --rows 5 --alpha 0.7 --beta 0.41] [--sequential] [--bench-setup]
 
 Two GPUs of one host, the 8B/1B-shaped random models of bench.gpu_branches (target cuda:0, draft
 cuda:1), controlled acceptance. Timing events on both GPUs' pass streams around every replay show,
 per pass (median, ms): how long the verify, the verdict and the draft's pass ran, and how long each
 GPU sat idle between its passes (events on two devices cannot be compared, so each GPU's idle time
 is from its own events: it includes waiting for the other GPU's pass, the copies and the verdict).
+
+--sequential also times the one-graph sequential loop (bf16 draft beside the target, k 2-4, the
+best taken) after the branching loop, so the ratio of bench.gpu_branches comes out of this process
+too; --bench-setup prepares the process as bench.gpu_branches does before its first timing (Dynamo's
+recompile limit 64, both HF drafts built, target graphs for widths 1..7, then one call of each row
+the bench times before its device-verdict rows, whose last draft the timed loop reuses), to find why the 8B pass
+ran ~7 % slower there (bench/RESULTS.md section 2, session 13). The target's (k+1)-token replay is
+timed at the start and at the end of the process.
 """
 
 from __future__ import annotations
@@ -18,10 +26,43 @@ import time
 import torch
 
 from app.fast_branch_graph import BranchingPassGraphs
-from app.fast_branches import BranchingDraft, ControlledBranches
-from app.fast_decode import GreedyLoop, plain_generate
+from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
+from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
 from app.fast_llama import FastLlama
-from bench.gpu import random_llama
+from app.fast_spec_graph import SpeculativePassGraph
+from bench.gpu import loop_step_time, random_llama, step_time, timed
+from bench.gpu_branches import branch_step_time
+
+
+def replay_bench_rows(target: FastLlama, drafts_hf: dict, prompt: torch.Tensor, ref: torch.Tensor, n: int,
+                      max_len: int, k: int, steps: int, rows: int, alpha: float, beta: float) -> BranchingDraft:
+    """What bench.gpu_branches runs before its device-verdict rows, one call each: the sequential
+    loops (bf16 and int8 drafts beside the target), the one-chain overlapped loop, the branching
+    draft's step at every row count 2..8 on one 8-row model, and the host-verdict branching loop on
+    a model of exactly `rows` rows, which is returned (the bench's device loop reuses it)."""
+    def draft(dev: str, weights: str = "bf16", r: int = 1) -> FastLlama:
+        return FastLlama(drafts_hf[dev], max_batch=r, max_len=max_len, attention="grouped", weights=weights,
+                         compile_elementwise=True)
+    for weights in ("bf16", "int8"):
+        loop = GreedyLoop(draft("cuda:0", weights), ControlledAcceptance(ref.to("cuda:0"), alpha, vocab=128256, seed=7))
+        loop_step_time(loop)
+        SpeculativePassGraph(target, loop, k).generate(prompt, n)
+        del loop
+    chain = GreedyLoop(draft("cuda:1"), ControlledAcceptance(ref.to("cuda:1"), alpha, vocab=128256, seed=7))
+    loop_step_time(chain)
+    speculative_generate(target, chain, prompt, n, k, overlap_steps=steps)
+    del chain
+    torch.cuda.empty_cache()
+    propose = ControlledBranches(ref.to("cuda:1"), alpha, beta, vocab=128256, seed=7)
+    shared = draft("cuda:1", r=8)
+    for r in range(2, 9):
+        branch_step_time(BranchingDraft(shared, r, propose))
+    exact = BranchingDraft(draft("cuda:1", r=rows), rows, propose)
+    for fork_graph in (True, False):
+        exact.fork_graph = fork_graph
+        branching_generate(target, exact, prompt, n, k, steps)
+    exact.fork_graph = True
+    return exact
 
 
 class TimedPasses(BranchingPassGraphs):
@@ -69,29 +110,46 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--model-rows", type=int, default=None, help="cache rows of the draft model (default: --rows)")
     ap.add_argument("--eager-too", action="store_true", help="also time the loop with its control ops uncompiled")
+    ap.add_argument("--sequential", action="store_true", help="also time the one-graph sequential loop (k 2-4)")
+    ap.add_argument("--bench-setup", action="store_true", help="set the process up as bench.gpu_branches does")
     args = ap.parse_args()
     P, n = 128, args.new_tokens
     max_len = P + n + 96
+    drafts_hf = {}
+    if args.bench_setup:
+        torch._dynamo.config.recompile_limit = 64
     target = FastLlama(random_llama("8b"), max_len=max_len, compile_elementwise=True, attention="grouped")
-    for w in (1, args.k + 1):
+    if args.bench_setup:
+        drafts_hf = {"cuda:0": random_llama("1b"), "cuda:1": random_llama("1b", "cuda:1")}
+    for w in range(1, 8) if args.bench_setup else (1, args.k + 1):
         target.capture(w)
+    t_start = step_time(target, args.k + 1) * 1e3
+    print(f"target {args.k + 1}-token replay at the start: {t_start:.3f} ms (bench setup: {args.bench_setup})", flush=True)
     prompt = torch.randint(0, 128256, (1, P), device="cuda:0", generator=torch.Generator("cuda").manual_seed(1))
     reference = plain_generate(GreedyLoop(target), prompt, n + 48)
     ref = torch.zeros(max_len, dtype=torch.long)
     ref[P: P + len(reference)] = torch.tensor(reference)
-    draft_model = FastLlama(random_llama("1b", "cuda:1"), max_batch=args.model_rows or args.rows, max_len=max_len, attention="grouped",
+    draft_model = FastLlama(drafts_hf.get("cuda:1") or random_llama("1b", "cuda:1"), max_batch=args.model_rows or args.rows, max_len=max_len, attention="grouped",
                             compile_elementwise=True)
     propose = ControlledBranches(ref.to("cuda:1"), args.alpha, args.beta, vocab=128256, seed=7)
+    bench_draft = None
+    if args.bench_setup:
+        bench_draft = replay_bench_rows(target, drafts_hf, prompt, ref, n, max_len, args.k, args.steps, args.rows,
+                                        args.alpha, args.beta)
+        print(f"after the bench's earlier rows: target {args.k + 1}-token replay {step_time(target, args.k + 1) * 1e3:.3f} ms",
+              flush=True)
     for compiled in (True, False) if args.eager_too else (True,):
-        loop = TimedPasses(target, BranchingDraft(draft_model, args.rows, propose), args.k, args.steps,
-                           compile_control=compiled)
+        branch_draft = bench_draft or BranchingDraft(draft_model, args.rows, propose)
+        loop = TimedPasses(target, branch_draft, args.k, args.steps, compile_control=compiled)
+        branch_draft.propose.reseed(args.alpha, args.beta, seed=7)  # as the bench: capturing drew coins
         loop.generate(prompt, n)  # warm-up
         walls = []
-        for _ in range(3):  # whole calls, as bench.gpu_branches times them
+        for _ in range(5):  # whole calls, as bench.gpu_branches times them (median of 5)
             t0 = time.perf_counter()
             loop.generate(prompt, n)
             walls.append(round((time.perf_counter() - t0) * 1e3, 1))
-        print(f"three more calls, ms: {walls}")
+        print(f"five more calls, ms: {walls}")
+        branch_call_ms = statistics.median(walls)
         loop.marks.clear()
         t0 = time.perf_counter()
         out, stats = loop.generate(prompt, n)
@@ -114,6 +172,21 @@ def main() -> None:
               f"queued passes; cycle mean {statistics.mean(cycles):.3f}, max {max(cycles):.3f}; cycles over 6 ms: "
               f"{[round(c, 2) for c in cycles if c > 6]}", flush=True)
         del loop
+    if args.sequential:
+        hf = drafts_hf.get("cuda:0") or random_llama("1b")
+        seq_draft = GreedyLoop(FastLlama(hf, max_len=max_len, attention="grouped", compile_elementwise=True),
+                               ControlledAcceptance(ref.to("cuda:0"), 1.0, vocab=128256, seed=7))
+        best = None
+        for k in (2, 3, 4):
+            graph = SpeculativePassGraph(target, seq_draft, k)
+            seq_draft.propose.reseed(args.alpha, seed=7)
+            graph.generate(prompt, n)  # warm-up
+            calls = sorted(timed(lambda: graph.generate(prompt, n)) * 1e3 for _ in range(5))
+            print(f"sequential one-graph k {k}: median call {calls[2]:.1f} ms ({n / calls[2] * 1e3:.1f} tok/s)", flush=True)
+            best = calls[2] if best is None else min(best, calls[2])
+        print(f"branching (last timed loop) over the best sequential, by median calls: {best / branch_call_ms:.3f}")
+    t_end = step_time(target, args.k + 1) * 1e3
+    print(f"target {args.k + 1}-token replay at the end: {t_end:.3f} ms (start {t_start:.3f})", flush=True)
 
 
 if __name__ == "__main__":

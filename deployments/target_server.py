@@ -142,7 +142,8 @@ class TargetServer:
             plan_k=self._plan_k,
         )
         c = self.policy.config
-        self.explorer = StepExplorer(c.explore_every_steps, c.exploration_k) if c.explore_every_steps else None
+        self.explorer = (StepExplorer(c.explore_every_steps, c.exploration_k, c.explore_max_every_steps)
+                         if c.explore_every_steps else None)
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self._planned: tuple[StepPlan, list[StepCandidate]] | None = None  # this step's plan and batch, set in _plan_k

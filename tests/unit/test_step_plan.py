@@ -234,3 +234,31 @@ def test_explorer_asks_after_quiet_steps_and_resets_when_measured() -> None:
     assert ex2.explore_k() is None
     with pytest.raises(ValueError, match="every_steps"):
         StepExplorer(every_steps=0, k=2)
+
+
+def test_explorer_backs_off_while_explorations_confirm_plain_and_resets_when_the_planner_drafts() -> None:
+    ex = StepExplorer(every_steps=2, k=2, max_every_steps=8)
+    auto, costs = _auto(0.9, n=64), _costs()  # 64 sequences: plain wins, only explorations draft
+    asked = []
+    for _ in range(30):
+        k = ex.explore_k()
+        asked.append(k)
+        ex.record(plan_step(auto, costs, margin=1.05, explore_k=k), auto)
+    # quiet gaps of 2, 4, 8, then 8 again (capped)
+    assert [i for i, k in enumerate(asked) if k] == [2, 7, 16, 25]
+    assert ex.interval == 8 and ex.explorations == 4
+    # the planner drafting on its own (one idle sequence at high acceptance) brings the interval back
+    ex.record(plan_step(_auto(0.9), costs), _auto(0.9))
+    assert ex.interval == 2
+    with pytest.raises(ValueError, match="max_every_steps"):
+        StepExplorer(every_steps=4, k=2, max_every_steps=2)
+
+
+def test_policy_config_refuses_a_max_exploration_interval_below_the_first() -> None:
+    from pydantic import ValidationError
+
+    from app.policy.decision import PolicyConfig
+
+    with pytest.raises(ValidationError, match="explore_max_every_steps"):
+        PolicyConfig(explore_every_steps=128, explore_max_every_steps=64)
+    assert PolicyConfig(explore_every_steps=0, explore_max_every_steps=1).explore_every_steps == 0
