@@ -20,6 +20,7 @@ timed at the start and at the end of the process.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -112,6 +113,9 @@ def main() -> None:
     ap.add_argument("--eager-too", action="store_true", help="also time the loop with its control ops uncompiled")
     ap.add_argument("--sequential", action="store_true", help="also time the one-graph sequential loop (k 2-4)")
     ap.add_argument("--bench-setup", action="store_true", help="set the process up as bench.gpu_branches does")
+    ap.add_argument("--free-earlier", action="store_true",
+                    help="with --bench-setup: free everything the replayed rows built (models, graphs, cached blocks) "
+                         "and time the loop on a fresh draft, to tell what the rows leave behind from what they did")
     ap.add_argument("--calls", type=int, default=5,
                     help="whole calls timed per loop; the coins run on between calls, so each call draws other "
                          "hits: the mean rate over many calls estimates the expected speed, a median of 5 varied ~5 %%")
@@ -139,6 +143,12 @@ def main() -> None:
     if args.bench_setup:
         bench_draft = replay_bench_rows(target, drafts_hf, prompt, ref, n, max_len, args.k, args.steps, args.rows,
                                         args.alpha, args.beta)
+        if args.free_earlier:
+            bench_draft = None
+            gc.collect()
+            for dev in ("cuda:0", "cuda:1"):
+                with torch.cuda.device(dev):
+                    torch.cuda.empty_cache()
         print(f"after the bench's earlier rows: target {args.k + 1}-token replay {step_time(target, args.k + 1) * 1e3:.3f} ms",
               flush=True)
     for compiled in (True, False) if args.eager_too else (True,):
