@@ -196,17 +196,20 @@ class StepCostsConfig(BaseModel):
     draft_prefill_per_token_s: float | None = Field(None, ge=0, description="defaults to the draft curve's slope past its knee")
     decay: float = Field(0.1, gt=0, le=1, description="weight of a new measurement once warmed up")
     speed_decay: float = Field(
-        0.5, ge=0, le=1,
+        0.0, ge=0, le=1,
         description="weight of a new measurement in the machine-speed factor (StepCosts): how fast a slowdown "
                     "common to every pass (a busy host, a throttled clock) is taken as the machine's, not as the "
-                    "measured pass kind's; 0: no speed factor (each curve keeps what it last measured)")
+                    "measured pass kind's, e.g. 0.5; 0 (default): no speed factor (each curve keeps what it last "
+                    "measured). Off by default: on the 2-core CPU app drafting itself slows the target's passes (the "
+                    "draft process takes CPU), a slowdown the factor wrongly spreads to plain steps; with it on at "
+                    "0.5, auto fell to 0.88 of 'on' at 4 streams (bench/RESULTS.md section 7, run AC)")
 
 
 class StepCosts:
     """Measured step times: t_decode(b), t_verify(b, k), t_draft(b), t_exchange, t_draft_prefill(P).
 
-    Every measured time is stored divided by a **machine-speed factor** and read back multiplied by
-    its current value. Why: the policy compares kinds of step that are measured at different
+    With `speed_decay` > 0 (off by default: see its description), every measured time is stored
+    divided by a **machine-speed factor** and read back multiplied by its current value. Why: the policy compares kinds of step that are measured at different
     moments. At 1 stream on the CPU app the plain step is measured ~140 times a second and the
     drafting step's parts only when it drafts; when the host slowed down, the plain step's price
     rose while the drafting parts kept the price of a faster moment, drafting looked cheaper than it

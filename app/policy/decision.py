@@ -115,11 +115,13 @@ class PolicyConfig(_Strict):
     min_output_tokens: int = Field(16, ge=1)
     explore_every_steps: int = Field(
         64, ge=0, description="engine steps without an adaptive draft before one exploration step; 0: never")
-    explore_max_every_steps: int = Field(
-        4096, ge=1,
+    explore_max_every_steps: int | None = Field(
+        None, ge=1,
         description="the exploration interval doubles after each exploration that the planner does not follow by "
                     "drafting on its own, up to this many steps, and falls back to explore_every_steps when it "
-                    "drafts (step_plan.StepExplorer): at low load an exploration prefills its sequence on the draft")
+                    "drafts (step_plan.StepExplorer), e.g. 4096; None (default): no back-off. Off by default: "
+                    "on the CPU app it did not lift auto at 1 stream, and at 4 streams a replica that had stopped "
+                    "drafting stayed plain (bench/RESULTS.md section 7, runs AB and AC)")
     exploration_k: int = Field(2, ge=1)
     max_k: int = Field(8, ge=1, le=64)
     default_k: int = Field(4, ge=1, description="k for speculation 'on' without num_speculative_tokens")
@@ -157,7 +159,8 @@ class PolicyConfig(_Strict):
 
     @model_validator(mode="after")
     def _exploration_interval(self) -> "PolicyConfig":
-        if self.explore_every_steps and self.explore_max_every_steps < self.explore_every_steps:
+        if (self.explore_every_steps and self.explore_max_every_steps is not None
+                and self.explore_max_every_steps < self.explore_every_steps):
             raise ValueError(f"explore_max_every_steps={self.explore_max_every_steps} < explore_every_steps="
                              f"{self.explore_every_steps}: the exploration interval only grows; set it >= "
                              "explore_every_steps (equal: no back-off)")

@@ -174,6 +174,14 @@ def test_a_catch_up_first_pass_is_prefill_not_drafting() -> None:
     assert costs.observe_draft_call(0, 4, 0.04, FirstPass()) is None
 
 
+def test_the_speed_factor_is_off_by_default() -> None:
+    costs = StepCosts()
+    _warm_pair(costs)
+    for _ in range(30):
+        costs.observe_decode(1, 0.014)
+    assert costs.speed == 1.0 and costs.t_draft(1) == pytest.approx(0.002)
+
+
 def _warm_pair(costs: StepCosts) -> None:
     """A replica that has measured both kinds of step at 1 stream: plain 7 ms, verify of 6 tokens
     10 ms, draft step 2 ms, host 1 ms."""
@@ -184,7 +192,7 @@ def _warm_pair(costs: StepCosts) -> None:
         costs.observe_overhead(0.001, speculative=False)
 
 
-@pytest.mark.parametrize("speed_decay", [StepCostsConfig().speed_decay, 0.0])
+@pytest.mark.parametrize("speed_decay", [0.5, 0.0])
 def test_a_slowdown_seen_on_plain_steps_alone_prices_drafting_alike(speed_decay: float) -> None:
     """At 1 stream the plain step is measured every step and the drafting parts rarely: when the host
     slows down 1.5x, only plain steps report it. With the machine-speed factor every price rises
@@ -209,7 +217,7 @@ def test_a_slowdown_seen_on_plain_steps_alone_prices_drafting_alike(speed_decay:
 def test_a_real_change_in_one_kinds_cost_still_reaches_its_curve() -> None:
     """The factor takes only what is common: a draft step that becomes twice as dear while plain
     steps keep their time, both measured, is priced twice as dear against plain."""
-    costs = StepCosts()
+    costs = StepCosts(StepCostsConfig(speed_decay=0.5))
     _warm_pair(costs)
     for _ in range(200):
         costs.observe_decode(1, 0.007)
@@ -219,7 +227,7 @@ def test_a_real_change_in_one_kinds_cost_still_reaches_its_curve() -> None:
 
 
 def test_machine_speed_scales_every_price_and_the_reported_curve() -> None:
-    costs = StepCosts()
+    costs = StepCosts(StepCostsConfig(speed_decay=0.5))
     _warm_pair(costs)
     prices = (costs.t_pass(6), costs.t_draft(1), costs.t_overhead(False), costs.t_exchange)
     for _ in range(30):
