@@ -120,7 +120,7 @@ class PolicyConfig(_Strict):
         description="the exploration interval doubles after each exploration that the planner does not follow by "
                     "drafting on its own, up to this many steps, and falls back to explore_every_steps when it "
                     "drafts (step_plan.StepExplorer), e.g. 4096; None (default): no back-off. Off by default: "
-                    "on the CPU app it did not lift auto at 1 stream, and at 4 streams a replica that had stopped "
+                    "on the CPU app it lifted auto at 1 stream by 1-1.5 %, inside the noise, and at 4 streams a replica that had stopped "
                     "drafting stayed plain (bench/RESULTS.md section 7, runs AB and AC)")
     exploration_k: int = Field(2, ge=1)
     max_k: int = Field(8, ge=1, le=64)
