@@ -136,7 +136,8 @@ def main() -> None:
     reference = plain_generate(GreedyLoop(target), prompt, n + 48)
     ref = torch.zeros(max_len, dtype=torch.long)
     ref[P: P + len(reference)] = torch.tensor(reference)
-    draft_model = FastLlama(drafts_hf.get("cuda:1") or random_llama("1b", "cuda:1"), max_batch=args.model_rows or args.rows, max_len=max_len, attention="grouped",
+    draft_model = FastLlama(drafts_hf.get("cuda:1") or random_llama("1b", "cuda:1"),
+                            max_batch=args.model_rows or args.rows, max_len=max_len, attention="grouped",
                             compile_elementwise=True)
     propose = ControlledBranches(ref.to("cuda:1"), args.alpha, args.beta, vocab=128256, seed=7)
     bench_draft = None

@@ -209,8 +209,8 @@ class StepCosts:
     """Measured step times: t_decode(b), t_verify(b, k), t_draft(b), t_exchange, t_draft_prefill(P).
 
     With `speed_decay` > 0 (off by default: see its description), every measured time is stored
-    divided by a **machine-speed factor** and read back multiplied by its current value. Why: the policy compares kinds of step that are measured at different
-    moments. At 1 stream on the CPU app the plain step is measured ~140 times a second and the
+    divided by a **machine-speed factor** and read back multiplied by its current value. Why: the
+    policy compares kinds of step that are measured at different moments. At 1 stream on the CPU app the plain step is measured ~140 times a second and the
     drafting step's parts only when it drafts; when the host slowed down, the plain step's price
     rose while the drafting parts kept the price of a faster moment, drafting looked cheaper than it
     was, and the planner drafted in bursts exactly then and lost 3 % to plain decoding (bench/

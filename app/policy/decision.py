@@ -120,8 +120,8 @@ class PolicyConfig(_Strict):
         description="the exploration interval doubles after each exploration that the planner does not follow by "
                     "drafting on its own, up to this many steps, and falls back to explore_every_steps when it "
                     "drafts (step_plan.StepExplorer), e.g. 4096; None (default): no back-off. Off by default: "
-                    "on the CPU app it lifted auto at 1 stream by 1-1.5 %, inside the noise, and at 4 streams a replica that had stopped "
-                    "drafting stayed plain (bench/RESULTS.md section 7, runs AB and AC)")
+                    "on the CPU app it lifted auto at 1 stream by 1-1.5 %, inside the noise, and at 4 streams "
+                    "a replica that had stopped drafting stayed plain (bench/RESULTS.md section 7, runs AB, AC)")
     exploration_k: int = Field(2, ge=1)
     max_k: int = Field(8, ge=1, le=64)
     default_k: int = Field(4, ge=1, description="k for speculation 'on' without num_speculative_tokens")

@@ -42,8 +42,8 @@ added after: it is spent outside the engine step (router, proxy), so a step's wa
 measure it.
 
 Exploration lives here too, at step granularity: when no adaptive sequence has drafted for
-`every_steps` steps (doubling while explorations keep confirming plain decoding), one step speculates at a shallow depth so the acceptance estimate stays
-measured. Its cost is bounded by one speculative step in `every_steps` (and that step still
+`every_steps` steps (optionally doubling while explorations keep confirming plain decoding), one
+step speculates at a shallow depth so the acceptance estimate stays measured. Its cost is bounded by one speculative step in `every_steps` (and that step still
 emits E(α, k) ≥ 1 tokens per sequence), instead of a share of whole requests that keep a batch
 paying the draft call for their whole life.
 """
