@@ -23,7 +23,7 @@ from app.engine import Overloaded, SpecEngine
 from app.engine_loop import EngineLoop, stream_updates
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import ContextOverflow, ModelRunner
-from app.policy import AcceptanceTracker, SpeculationPolicy, StepCandidate, StepExplorer, StepPlan
+from app.policy import AcceptanceTracker, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer, StepPlan
 from app.proposers import NgramProposer, Proposer
 from deployments.metrics_ray import ServeMetrics
 
@@ -144,6 +144,7 @@ class TargetServer:
         c = self.policy.config
         self.explorer = (StepExplorer(c.explore_every_steps, c.exploration_k, c.explore_max_every_steps)
                          if c.explore_every_steps else None)
+        self.hold = PlainHold(c.plain_hold_steps)
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self._planned: tuple[StepPlan, list[StepCandidate]] | None = None  # this step's plan and batch, set in _plan_k
@@ -152,6 +153,11 @@ class TargetServer:
 
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
     def _plan_k(self, batch, caps: list[int]) -> list[int]:
+        ids = tuple(seq.seq_id for seq in batch)
+        if (self.explorer is None or self.explorer.explore_k() is None) and self.hold.holds(ids):
+            if self.explorer is not None:
+                self.explorer.record_plain_step()
+            return [0] * len(caps)
         replica_alpha = self.policy.acceptance.alpha("default")
         proposer, costs = self.engine.proposer, self.policy.costs
         z, weight = self.policy.config.acceptance_optimism, self.policy.config.sequence_prior_weight
@@ -169,6 +175,7 @@ class TargetServer:
         plan = self.policy.plan_step(candidates, explore_k=explore_k)
         if self.explorer is not None:
             self.explorer.record(plan, candidates)
+        self.hold.record(ids, plan)
         self._planned = (plan, candidates)  # its realized time is fed back in _on_step
         return plan.ks
 

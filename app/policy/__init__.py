@@ -23,7 +23,7 @@ from .decision import (
     SpeculationDecision,
     SpeculationPolicy,
 )
-from .step_plan import StepCandidate, StepExplorer, StepPlan, plan_step, plan_step_optimistic
+from .step_plan import PlainHold, StepCandidate, StepExplorer, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor, PromptClass, classify_prompt
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "StepCostsConfig",
     "StepCandidate",
     "StepExplorer",
+    "PlainHold",
     "StepTimeCalibration",
     "StepPlan",
     "best_k",

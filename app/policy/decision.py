@@ -123,6 +123,11 @@ class PolicyConfig(_Strict):
                     "on the CPU app it lifted auto at 1 stream by 1-1.5 %, inside the noise, and at 4 streams "
                     "a replica that had stopped drafting stayed plain (bench/RESULTS.md section 7, runs AB, AC)")
     exploration_k: int = Field(2, ge=1)
+    plain_hold_steps: int = Field(
+        8, ge=0,
+        description="after a plain plan, the same batch stays plain this many steps without planning "
+                    "(step_plan.PlainHold): in the served CPU app planning every step cost auto ~0.7 ms a plain step "
+                    "at 1 stream; 0: plan every step")
     max_k: int = Field(8, ge=1, le=64)
     default_k: int = Field(4, ge=1, description="k for speculation 'on' without num_speculative_tokens")
     overlap: bool = Field(False, description="draft runs on its own device, overlapped with verify")

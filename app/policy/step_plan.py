@@ -291,3 +291,38 @@ class StepExplorer:
                 self.interval = self.every_steps
         else:
             self._quiet_steps += 1
+
+    def record_plain_step(self) -> None:
+        """A step left plain without planning (PlainHold): a quiet step like any other."""
+        self._quiet_steps += 1
+
+
+class PlainHold:
+    """After a plain plan for a batch, the same batch stays plain for the next `steps` steps
+    without planning again.
+
+    Why: in the served app the planner's Python runs on the engine thread beside the replica's
+    event loop, and measured at 1 stream on the CPU app (bench/RESULTS.md section 7, session 14) a
+    plain step took 4.73 ms per streamed chunk with the planner and 3.78 ms with `_plan_k`
+    bypassed ('off': 4.04 and 3.75 ms in the same runs), although the planner alone costs ~0.1 ms.
+    A plain plan rarely turns into a drafting one from one step to the next (acceptance moves only
+    when sequences draft; load only when the batch changes, which ends the hold). Not
+    thread-safe: one per engine loop."""
+
+    def __init__(self, steps: int) -> None:
+        if steps < 0:
+            raise ValueError(f"plain hold steps must be >= 0, got {steps}")
+        self.steps = steps
+        self._batch: tuple[str, ...] = ()
+        self._left = 0
+
+    def holds(self, batch: tuple[str, ...]) -> bool:
+        """True if this step of `batch` (its sequence ids, in order) stays plain unplanned."""
+        if self._left > 0 and batch == self._batch:
+            self._left -= 1
+            return True
+        return False
+
+    def record(self, batch: tuple[str, ...], plan: StepPlan) -> None:
+        """After planning a step: a plain plan (not an exploration) starts a hold."""
+        self._batch, self._left = batch, (self.steps if plan.depth == 0 and not any(plan.ks) else 0)

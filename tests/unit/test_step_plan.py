@@ -262,3 +262,24 @@ def test_policy_config_refuses_a_max_exploration_interval_below_the_first() -> N
     with pytest.raises(ValidationError, match="explore_max_every_steps"):
         PolicyConfig(explore_every_steps=128, explore_max_every_steps=64)
     assert PolicyConfig(explore_every_steps=0, explore_max_every_steps=1).explore_every_steps == 0
+
+
+def test_plain_hold_skips_planning_for_the_same_batch_after_a_plain_plan() -> None:
+    from app.policy import PlainHold
+
+    hold = PlainHold(steps=2)
+    costs = _costs()
+    plain = plan_step(_auto(0.9, n=64), costs, margin=1.05)
+    drafting = plan_step(_auto(0.9), costs)
+    assert plain.depth == 0 and drafting.depth > 0
+    batch = ("a", "b")
+    assert not hold.holds(batch)
+    hold.record(batch, plain)
+    assert [hold.holds(batch) for _ in range(3)] == [True, True, False]  # two steps, then plan again
+    hold.record(batch, plain)
+    assert not hold.holds(("a", "b", "c"))  # a new sequence joined: plan
+    hold.record(batch, drafting)
+    assert not hold.holds(batch)  # a drafting plan holds nothing
+    assert not PlainHold(steps=0).holds(batch)
+    with pytest.raises(ValueError, match="hold steps"):
+        PlainHold(steps=-1)
