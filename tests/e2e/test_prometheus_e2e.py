@@ -7,8 +7,8 @@ the samples' timestamps. The accepted and drafted counters come from the same sc
 share timestamps and the factor cancels in accepted/drafted, provided both series already exist
 (with their warm-up values) when the window opens. So: warm up, let Prometheus see the warm-up
 values, mark t0, send the measured traffic, wait until Prometheus has the final values, and
-evaluate ACCEPTANCE_RATE_PROMQL (a 1m window) at t0 + 58 s, whose window starts just before t0.
-It must equal measured accepted / measured drafted from the responses' `usage.speculation`.
+evaluate ACCEPTANCE_RATE_PROMQL (a 1m window) at a time whose window opens 5 ms before the last
+scrape before t0 (see the test for why so close). It must equal measured accepted / measured drafted from the responses' `usage.speculation`.
 """
 
 from __future__ import annotations
@@ -107,6 +107,14 @@ def _at(prom: PrometheusProcess, when: float) -> Callable[[str], float | None]:
     return lambda expr: prom.scalar(expr, at=when)
 
 
+def _last_scrape_before(prom: PrometheusProcess, t: float) -> float:
+    """Timestamp of the last stored sample of the draft-token counter at or before `t`."""
+    series = prom.query(f"{m.NUM_DRAFT_TOKENS.exported}[30s]", at=t)
+    stamps = [float(ts) for r in series for ts, _ in r["values"]]
+    assert stamps, f"no draft-token samples in the 30 s before t0: {series}"
+    return max(stamps)
+
+
 def test_acceptance_rate_through_prometheus_matches_responses(stack) -> None:
     app, prom = stack
     deadline = time.monotonic() + 60
@@ -130,11 +138,16 @@ def test_acceptance_rate_through_prometheus_matches_responses(stack) -> None:
     _wait_for(prom, final, "after traffic")  # raw counters, read back exactly
     t1 = time.time()
 
-    # Evaluate at a time whose window starts 2 s before t0 and ends after the final values.
-    when = t0 - 2.0 + WINDOW_S
+    # Evaluate at a time whose window opens 5 ms before the last scrape before t0 (which holds
+    # the warm-up values) and closes after the final values. Opening it right at a scrape matters:
+    # rate() caps its extrapolation towards the window start at the time the counter would take
+    # to fall to zero (interval * first / increase), which differs between the two counters; an
+    # opening 5 ms from the first sample stays under that cap, so the factor cancels.
+    opens = _last_scrape_before(prom, t0) - 0.005
+    when = opens + WINDOW_S
     if when < t1 + 2 * SCRAPE_INTERVAL_S:  # slow machine: same query, longer window
         when = t1 + 2 * SCRAPE_INTERVAL_S
-        window = f"{math.ceil(when - (t0 - 2.0))}s"
+        window = f"{math.ceil((when - opens) * 1000)}ms"
         rate_q, length_q = m.acceptance_rate_promql(window), m.mean_acceptance_length_promql(window)
     else:
         rate_q, length_q = m.ACCEPTANCE_RATE_PROMQL, m.MEAN_ACCEPTANCE_LENGTH_PROMQL
