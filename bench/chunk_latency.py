@@ -1,6 +1,6 @@
 """Time to first chunk and time per streamed chunk, one request at a time, 'off' against 'auto' (CPU).
 
-    PYTHONPATH=. .venv/bin/python -m bench.chunk_latency [--blocks 8] [--per-block 20]
+    PYTHONPATH=. .venv/bin/python -m bench.chunk_latency [--blocks 8] [--per-block 20] [--policy JSON]
 
 Starts the app in a child process with its own Ray (as bench.load --start), sends one streamed
 64-token request at a time in alternating blocks of `--per-block` requests per policy, and prints
@@ -63,8 +63,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=8, help="alternating blocks, off first")
     ap.add_argument("--per-block", type=int, default=20)
+    ap.add_argument("--policy", type=json.loads, default={},
+                    help='PolicyConfig overrides as JSON, e.g. \'{"explore_every_steps": 0}\'')
     args = ap.parse_args()
-    with AppProcess(local_args(app_overrides(1))) as app:
+    overrides = app_overrides(1)
+    if args.policy:
+        overrides["policy"] = args.policy
+        print(f"policy overrides {args.policy}", flush=True)
+    with AppProcess(local_args(overrides)) as app:
         res = asyncio.run(run(app.url, args.blocks, args.per_block))
     for policy, rows in res.items():
         first, per_chunk, tail, whole = (statistics.median(col) * 1e3 for col in zip(*rows))

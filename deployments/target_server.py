@@ -154,7 +154,7 @@ class TargetServer:
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
     def _plan_k(self, batch, caps: list[int]) -> list[int]:
         ids = tuple(seq.seq_id for seq in batch)
-        if (self.explorer is None or self.explorer.explore_k() is None) and self.hold.holds(ids):
+        if (self.explorer is None or self.explorer.explore_k(len(ids)) is None) and self.hold.holds(ids):
             if self.explorer is not None:
                 self.explorer.record_plain_step()
             return [0] * len(caps)
@@ -171,7 +171,7 @@ class TargetServer:
                 catch_up_s=costs.t_draft_prefill(proposer.catch_up_tokens(seq.seq_id, seq.token_ids))
                 if proposer is not None and cap else 0.0,
                 remaining=seq.remaining, alpha_upper=seq.stats.token_alpha_upper(prior, z, weight)))
-        explore_k = self.explorer.explore_k() if self.explorer is not None else None
+        explore_k = self.explorer.explore_k(len(candidates)) if self.explorer is not None else None
         plan = self.policy.plan_step(candidates, explore_k=explore_k)
         if self.explorer is not None:
             self.explorer.record(plan, candidates)

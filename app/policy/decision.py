@@ -116,12 +116,12 @@ class PolicyConfig(_Strict):
     explore_every_steps: int = Field(
         64, ge=0, description="engine steps without an adaptive draft before one exploration step; 0: never")
     explore_max_every_steps: int | None = Field(
-        None, ge=1,
+        512, ge=1,
         description="the exploration interval doubles after each exploration that the planner does not follow by "
-                    "drafting on its own, up to this many steps, and falls back to explore_every_steps when it "
-                    "drafts (step_plan.StepExplorer), e.g. 4096; None (default): no back-off. Off by default: "
-                    "on the CPU app it lifted auto at 1 stream by 1-1.5 %, inside the noise, and at 4 streams "
-                    "a replica that had stopped drafting stayed plain (bench/RESULTS.md section 7, runs AB, AC)")
+                    "drafting on its own, up to this many steps, per batch size, and falls back to "
+                    "explore_every_steps when it drafts (step_plan.StepExplorer); None: no back-off. At 1 stream on "
+                    "the CPU app, exploring every 64 steps cost auto 4-6 % against 'off', backing off to 512 under "
+                    "1 % (bench/RESULTS.md section 7, session 15)")
     exploration_k: int = Field(2, ge=1)
     plain_hold_steps: int = Field(
         8, ge=0,

@@ -257,11 +257,17 @@ class StepExplorer:
     `max_every_steps`; it falls back to `every_steps` as soon as the planner drafts on its own.
     Why: at low load an exploration step is dear. Its sequence is new to the draft, so the step
     prefills its whole context on the draft, then drafts and crosses the exchange twice. Measured
-    on a faster 2-core CPU host (bench/results/load-cpu-runAA-aborted.log), one exploration per 64
-    plain steps (about one per 64-token request at 1-2 streams) cost auto 4-8 % against 'off',
-    while only 1 % of its steps drafted. When the explorations keep confirming plain decoding,
-    measuring acceptance that often buys nothing; acceptance decays by tokens observed, not by
-    time, so a sparser measurement is not a staler one."""
+    on the CPU app at 1 stream (bench.chunk_latency, bench/RESULTS.md section 7, session 15): with
+    one exploration per 64 plain steps, about one per 64-token request, auto took 0.94-0.96 of
+    'off''s time per request; with no exploration 0.98, with the interval backing off to 512 steps
+    0.995. When explorations keep confirming plain decoding, measuring that often buys nothing;
+    acceptance decays by tokens observed, not by time, so a sparser measurement is not a staler one.
+
+    The interval is kept per batch size: an exploration that confirmed plain at one stream says
+    nothing about four, where the verify pass is shared and drafting may pay (measured, session
+    14 run AC: with one interval for all sizes, a replica that had backed off at 1-2 streams
+    stopped drafting at 4 while 'on' beat 'off' by 19 %).
+    """
 
     def __init__(self, every_steps: int, k: int, max_every_steps: int | None = None) -> None:
         if every_steps < 1 or k < 1:
@@ -271,12 +277,15 @@ class StepExplorer:
                              "grows from every_steps; pass max_every_steps >= every_steps (equal: no back-off)")
         self.every_steps, self.k = every_steps, k
         self.max_every_steps = max_every_steps if max_every_steps is not None else every_steps
-        self.interval = every_steps
+        self._intervals: dict[int, int] = {}  # batch size -> its backed-off interval (absent: every_steps)
         self._quiet_steps = 0
         self.explorations = 0
 
-    def explore_k(self) -> int | None:
-        return self.k if self._quiet_steps >= self.interval else None
+    def interval(self, batch_size: int) -> int:
+        return self._intervals.get(batch_size, self.every_steps)
+
+    def explore_k(self, batch_size: int) -> int | None:
+        return self.k if self._quiet_steps >= self.interval(batch_size) else None
 
     def record(self, plan: StepPlan, candidates: list[StepCandidate]) -> None:
         """After planning a step: reset when an adaptive sequence drafts, else count it."""
@@ -286,9 +295,10 @@ class StepExplorer:
             self._quiet_steps = 0
             if plan.explored:
                 self.explorations += 1
-                self.interval = min(2 * self.interval, self.max_every_steps)
+                b = len(candidates)
+                self._intervals[b] = min(2 * self.interval(b), self.max_every_steps)
             else:  # the planner drafts on its own: acceptance is being measured, explore soon when it stops
-                self.interval = self.every_steps
+                self._intervals.clear()
         else:
             self._quiet_steps += 1
 

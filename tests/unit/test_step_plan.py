@@ -222,7 +222,7 @@ def test_explorer_asks_after_quiet_steps_and_resets_when_measured() -> None:
     auto, costs = _auto(0.9, n=64), _costs()
     asked = []
     for _ in range(8):
-        k = ex.explore_k()
+        k = ex.explore_k(len(auto))
         asked.append(k)
         ex.record(plan_step(auto, costs, margin=1.05, explore_k=k), auto)
     assert asked == [None, None, None, 2, None, None, None, 2]
@@ -231,7 +231,7 @@ def test_explorer_asks_after_quiet_steps_and_resets_when_measured() -> None:
     ex2 = StepExplorer(every_steps=1, k=2)
     forced_only = [StepCandidate(0, 0.5, True), StepCandidate(3, 0.5, False)]
     ex2.record(plan_step(forced_only, costs), forced_only)
-    assert ex2.explore_k() is None
+    assert ex2.explore_k(len(forced_only)) is None
     with pytest.raises(ValueError, match="every_steps"):
         StepExplorer(every_steps=0, k=2)
 
@@ -241,15 +241,19 @@ def test_explorer_backs_off_while_explorations_confirm_plain_and_resets_when_the
     auto, costs = _auto(0.9, n=64), _costs()  # 64 sequences: plain wins, only explorations draft
     asked = []
     for _ in range(30):
-        k = ex.explore_k()
+        k = ex.explore_k(len(auto))
         asked.append(k)
         ex.record(plan_step(auto, costs, margin=1.05, explore_k=k), auto)
     # quiet gaps of 2, 4, 8, then 8 again (capped)
     assert [i for i, k in enumerate(asked) if k] == [2, 7, 16, 25]
-    assert ex.interval == 8 and ex.explorations == 4
+    assert ex.interval(64) == 8 and ex.explorations == 4
+    # another batch size has not backed off: a quiet spell of every_steps explores there
+    assert ex.interval(4) == 2
+    # four quiet steps since the last exploration: short of 64's interval, past 4's
+    assert ex.explore_k(64) is None and ex.explore_k(4) == 2
     # the planner drafting on its own (one idle sequence at high acceptance) brings the interval back
     ex.record(plan_step(_auto(0.9), costs), _auto(0.9))
-    assert ex.interval == 2
+    assert ex.interval(64) == 2
     with pytest.raises(ValueError, match="max_every_steps"):
         StepExplorer(every_steps=4, k=2, max_every_steps=2)
 
