@@ -119,7 +119,8 @@ class PolicyConfig(_Strict):
         512, ge=1,
         description="the exploration interval doubles after each exploration that the planner does not follow by "
                     "drafting on its own, up to this many steps, per batch size, and falls back to "
-                    "explore_every_steps when it drafts (step_plan.StepExplorer); None: no back-off. At 1 stream on "
+                    "explore_every_steps once the planner has drafted on its own in explore_every_steps steps "
+                    "between explorations (step_plan.StepExplorer); None: no back-off. At 1 stream on "
                     "the CPU app, exploring every 64 steps cost auto 4-6 % against 'off', backing off to 512 under "
                     "1 % (bench/RESULTS.md section 7, session 15)")
     exploration_k: int = Field(2, ge=1)

@@ -254,8 +254,8 @@ class StepExplorer:
     sequence drafted while some could have. Not thread-safe: one per engine loop.
 
     The interval starts at `every_steps` and doubles after each exploration, up to
-    `max_every_steps`; it falls back to `every_steps` as soon as the planner drafts on its own.
-    Why: at low load an exploration step is dear. Its sequence is new to the draft, so the step
+    `max_every_steps`; it falls back to `every_steps` once the planner has drafted on its own in
+    `every_steps` steps since the last exploration. Why: at low load an exploration step is dear. Its sequence is new to the draft, so the step
     prefills its whole context on the draft, then drafts and crosses the exchange twice. Measured
     on the CPU app at 1 stream (bench.chunk_latency, bench/RESULTS.md section 7, session 15): with
     one exploration per 64 plain steps, about one per 64-token request, auto took 0.94-0.96 of
@@ -267,6 +267,11 @@ class StepExplorer:
     nothing about four, where the verify pass is shared and drafting may pay (measured, session
     14 run AC: with one interval for all sizes, a replica that had backed off at 1-2 streams
     stopped drafting at 4 while 'on' beat 'off' by 19 %).
+
+    Why not fall back at the first step the planner drafts on its own: at 1 stream it drafts in
+    short bursts (2-5 % of steps in bench/RESULTS.md section 7, run AE), and each burst brought the
+    interval back to `every_steps`, and with it the exploration cost the back-off removed. Drafting
+    that lasts as long as one base interval means acceptance is being measured at this load anyway.
     """
 
     def __init__(self, every_steps: int, k: int, max_every_steps: int | None = None) -> None:
@@ -279,6 +284,7 @@ class StepExplorer:
         self.max_every_steps = max_every_steps if max_every_steps is not None else every_steps
         self._intervals: dict[int, int] = {}  # batch size -> its backed-off interval (absent: every_steps)
         self._quiet_steps = 0
+        self._self_drafted = 0  # steps the planner drafted on its own since the last exploration (or fall-back)
         self.explorations = 0
 
     def interval(self, batch_size: int) -> int:
@@ -295,10 +301,14 @@ class StepExplorer:
             self._quiet_steps = 0
             if plan.explored:
                 self.explorations += 1
+                self._self_drafted = 0
                 b = len(candidates)
                 self._intervals[b] = min(2 * self.interval(b), self.max_every_steps)
-            else:  # the planner drafts on its own: acceptance is being measured, explore soon when it stops
-                self._intervals.clear()
+            else:  # the planner drafts on its own: once that lasts, explore soon when it stops
+                self._self_drafted += 1
+                if self._self_drafted >= self.every_steps:
+                    self._intervals.clear()
+                    self._self_drafted = 0
         else:
             self._quiet_steps += 1
 

@@ -252,8 +252,17 @@ def test_explorer_backs_off_while_explorations_confirm_plain_and_resets_when_the
     # four quiet steps since the last exploration: short of 64's interval, past 4's
     assert ex.explore_k(64) is None and ex.explore_k(4) == 2
     # the planner drafting on its own (one idle sequence at high acceptance) brings the interval back
+    # once it has done so for every_steps steps since the last exploration: one burst step does not
+    ex.record(plan_step(_auto(0.9), costs), _auto(0.9))
+    assert ex.interval(64) == 8
     ex.record(plan_step(_auto(0.9), costs), _auto(0.9))
     assert ex.interval(64) == 2
+    # ... and an exploration in between starts that count again
+    for _ in range(3):  # two quiet steps, then an exploration
+        ex.record(plan_step(auto, costs, margin=1.05, explore_k=ex.explore_k(len(auto))), auto)
+    assert ex.interval(64) == 4 and ex.explorations == 5
+    ex.record(plan_step(_auto(0.9), costs), _auto(0.9))
+    assert ex.interval(64) == 4
     with pytest.raises(ValueError, match="max_every_steps"):
         StepExplorer(every_steps=4, k=2, max_every_steps=2)
 
