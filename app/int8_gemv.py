@@ -51,9 +51,47 @@ if AVAILABLE:
             tl.store(y_ptr + N + rn, (tl.sum(acc1, axis=1) * s).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+# (N, K, M) -> (BLOCK_N, BLOCK_K, num_warps) used instead of autotuning. Why: autotuning (Triton's here,
+# Inductor's coordinate descent for its own one-row GEMV) times configs against the same weights over and
+# over, which the 50 MB L2 of an H100/H200 then holds, but a decode step streams every matrix from HBM
+# once. Tuned hot, the picks differed from start to start: the 1B draft's one-token step took
+# 0.85-0.99 ms over six fresh starts on one H200, its GEMVs alone 627-697 us (bench/gpu_draft_step.py,
+# bench/RESULTS.md section 2, session 17). The defaults below are the best of 14 configs timed with cold
+# weights on an H200 (`python3 -m bench.gpu_draft_step --cold-table`) for the Llama-3.2-1B shapes; the
+# kernel's result does not depend on the config, only its speed. Another card: re-measure and `pin`.
+H200_1B_COLD: dict[tuple[int, int, int], tuple[int, int, int]] = {
+    (3072, 2048, 1): (4, 512, 4), (3072, 2048, 2): (4, 1024, 4),  # wqkv
+    (2048, 2048, 1): (2, 1024, 4), (2048, 2048, 2): (2, 1024, 4),  # wo
+    (16384, 2048, 1): (4, 1024, 4), (16384, 2048, 2): (8, 1024, 4),  # w_gate_up
+    (2048, 8192, 1): (2, 1024, 4), (2048, 8192, 2): (4, 1024, 4),  # w_down
+    (128256, 2048, 1): (8, 256, 4), (128256, 2048, 2): (8, 1024, 4),  # lm_head
+}
+PINNED: dict[tuple[int, int, int], tuple[int, int, int]] = dict(H200_1B_COLD)
+
+
+def pin(configs: dict[tuple[int, int, int], tuple[int, int, int]]) -> None:
+    """Use these block configs for their (N, K, M) shapes from now on (no autotuning there)."""
+    PINNED.update(configs)
+
+
+def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
+           config: tuple[int, int, int] | None = None) -> None:
+    """One kernel launch writing y `[M, N]`: with `config` (BLOCK_N, BLOCK_K, num_warps), else the
+    pinned one for the shape, else autotuned."""
+    M, K = x.shape
+    N = q.shape[0]
+    config = config or PINNED.get((N, K, M))
+    if config is None:
+        _int8_gemv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, q, scale, y, N, K, M)
+        return
+    block_n, block_k, warps = config
+    _int8_gemv_kernel.fn[(triton.cdiv(N, block_n),)](x, q, scale, y, N, K, M, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                     num_warps=warps)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x `[M, K]` (M = 1 or 2), q `[N, K]` int8, scale `[N]` -> `(x @ q.T) * scale` `[M, N]` in x's dtype.
-    The first call per (N, K, M) autotunes (outside any graph capture: warm up first)."""
+    An unpinned (N, K, M) autotunes at its first call (outside any graph capture: warm up first)."""
     if not AVAILABLE:
         raise RuntimeError("int8_gemv needs Triton (it ships with CUDA builds of torch)")
     M, K = x.shape
@@ -63,5 +101,5 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
                          f"{tuple(q.shape)}, {tuple(scale.shape)}")
     x = x.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _int8_gemv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, q, scale, y, N, K, M)
+    launch(x, q, scale, y)
     return y

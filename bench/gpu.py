@@ -273,6 +273,11 @@ def main() -> None:
     parser.add_argument("--draft-weights", default="bf16,int8",
                         help="draft weight formats to measure, comma-separated (FastLlama weights=: bf16, int8, "
                              "int8_layers); a quantized draft changes acceptance, never the output")
+    parser.add_argument("--int8-one-row", default="triton", choices=["inductor", "triton"],
+                        help="the int8 draft's one-row GEMV kernel (FastLlama int8_one_row)")
+    parser.add_argument("--int8-pins", default="", metavar="JSON",
+                        help="Triton int8 GEMV block configs per shape (bench.gpu_draft_step --cold-table); "
+                             "default: app/int8_gemv.py's H200 table")
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu.json"))
     args = parser.parse_args()
@@ -282,7 +287,11 @@ def main() -> None:
     res: dict[str, object] = {"card": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
                               "torch": torch.__version__, "new_tokens": n, "prompt_tokens": P,
                               "attention": args.attention, "draft_compile": args.draft_compile,
-                              "draft_weights": args.draft_weights}
+                              "draft_weights": args.draft_weights, "int8_one_row": args.int8_one_row,
+                              "int8_pins": args.int8_pins}
+    if args.int8_pins:
+        from bench.gpu_draft_step import load_pins
+        load_pins(args.int8_pins)
     bw = copy_bandwidth()
     target_hf, draft_hf = random_llama("8b"), random_llama("1b")
     wt, wd = weight_bytes(target_hf), weight_bytes(draft_hf)
@@ -292,7 +301,8 @@ def main() -> None:
         res["hf_eager_8b_tok_s"] = hf_generate(target_hf, prompt, args.hf_new_tokens)
         res["hf_assisted_8b_1b_tok_s"] = hf_generate(target_hf, prompt, args.hf_new_tokens, assistant=draft_hf)
     max_len = P + n + 2 * max_k + 24
-    draft_kw = (dict(compile_forward=args.draft_compile) if args.draft_compile else dict(compile_elementwise=True))
+    draft_kw = (dict(compile_forward=args.draft_compile) if args.draft_compile
+                else dict(compile_elementwise=True, int8_one_row=args.int8_one_row))
     ft = FastLlama(target_hf, max_len=max_len, compile_elementwise=True, attention=args.attention)
     for w in range(1, max_k + 2):
         ft.capture(w)
