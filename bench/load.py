@@ -332,6 +332,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions per level; medians compared")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--policy", type=json.loads, default={},
+                    help='with --start: PolicyConfig overrides as JSON, e.g. \'{"margin": 1.15}\' (an A/B of a setting)')
     ap.add_argument("--json", default=str(PROJECT_ROOT / "bench" / "results" / "load-cpu.json"))
     ap.add_argument("--png", default=str(PROJECT_ROOT / "bench" / "load.png"))
     args = ap.parse_args()
@@ -344,7 +346,11 @@ def main() -> None:
     if args.start:
         from bench.app_process import AppProcess, local_args
 
-        app_ctx = AppProcess(local_args(app_overrides(max(levels))))
+        overrides = app_overrides(max(levels))
+        if args.policy:
+            overrides["policy"] = args.policy
+            print(f"policy overrides {args.policy}", flush=True)
+        app_ctx = AppProcess(local_args(overrides))
         app_ctx.__enter__()
         url = app_ctx.url
     try:
@@ -381,7 +387,8 @@ def main() -> None:
                  "loadavg_after": [round(x, 2) for x in load_after]},
         "config": {"url": "started (bench.app_process)" if args.start else url, "levels": levels,
                    "duration_s": args.duration, "warmup_s": args.warmup, "rounds": args.rounds, "max_tokens": args.max_tokens,
-                   "ignore_eos": True, "temperature": 0, "prompts": "code", "pair": "configs/local.yaml embedded"},
+                   "ignore_eos": True, "temperature": 0, "prompts": "code", "pair": "configs/local.yaml embedded",
+                   "policy_overrides": args.policy},
         "cells": [asdict(c) for c in cells],
         "summary": {f"{c}/{p}": row for (c, p), row in summary.items()},
         "verdict": v,
