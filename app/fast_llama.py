@@ -66,9 +66,9 @@ class FastLlama:
         lm_head as weight-only int8 with a per-output-row scale in the model's dtype; "int8_layers"
         quantises the layers' GEMMs and keeps the lm_head as loaded. For a draft model: its logits
         move slightly (acceptance may drop a little), the speculative output does not change,
-        since the target verifies every proposal. On CUDA each int8 matmul is a small function
-        compiled by Inductor (one Triton kernel reading int8, dequantising in registers); on the
-        CPU it runs eagerly. int8_one_row: the kernel of a one-row int8 matmul on CUDA, app/int8_gemv.py's
+        since the target verifies every proposal. On CUDA a few-row int8 matmul is one Triton kernel
+        reading int8 and dequantising in registers (app/int8_gemv.py for one and two rows, else
+        compiled by Inductor); on the CPU it runs eagerly. int8_one_row: the kernel of a one-row int8 matmul on CUDA, app/int8_gemv.py's
         with block configs pinned from cold-weight timings (default; two rows always use it) or
         Inductor's, tuned by coordinate descent at each start, which made the 1B draft's step vary
         0.85-0.99 ms from start to start (bench/gpu_draft_step.py, bench/RESULTS.md section 2, session 17)."""
@@ -229,7 +229,7 @@ class FastLlama:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         own_kernel = x2.shape[0] == 2 or (x2.shape[0] == 1 and self.int8_one_row == "triton")
         if own_kernel and self.device.type == "cuda" and int8_gemv.AVAILABLE and not self._int8_inlined:
-            y = int8_gemv.int8_gemv(x2, w.q, w.scale)  # reads the weights once for both rows
+            y = int8_gemv.int8_gemv(x2, w.q, w.scale)  # pinned block configs; two rows read the weights once
         elif x2.shape[0] <= GEMV_MAX_ROWS:
             y = self._int8_fn(w.q.shape)(x2, w.q, w.scale)
         else:  # a prefill: dequantise once (a transient copy of this one matrix) and use cuBLAS

@@ -66,11 +66,7 @@ def main() -> None:
     ap.add_argument("--policy", type=json.loads, default={},
                     help='PolicyConfig overrides as JSON, e.g. \'{"explore_every_steps": 0}\'')
     args = ap.parse_args()
-    overrides = app_overrides(1)
-    if args.policy:
-        overrides["policy"] = args.policy
-        print(f"policy overrides {args.policy}", flush=True)
-    with AppProcess(local_args(overrides)) as app:
+    with AppProcess(local_args(app_overrides(1, args.policy))) as app:
         res = asyncio.run(run(app.url, args.blocks, args.per_block))
     for policy, rows in res.items():
         first, per_chunk, tail, whole = (statistics.median(col) * 1e3 for col in zip(*rows))

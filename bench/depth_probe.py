@@ -84,10 +84,8 @@ def main() -> None:
     ap.add_argument("--chunk-s", type=float, default=None,
                     help="override policy.costs.chunk_s (configs/local.yaml's host cost per streamed chunk)")
     args = ap.parse_args()
-    overrides = app_overrides(args.streams)
-    if args.chunk_s is not None:
-        overrides["policy"] = {"costs": {"chunk_s": args.chunk_s}}
-    with AppProcess(local_args(overrides)) as app:
+    chunk = {"costs": {"chunk_s": args.chunk_s}} if args.chunk_s is not None else None
+    with AppProcess(local_args(app_overrides(args.streams, chunk))) as app:
         for policy in args.order.split(","):
             run = stream_window if args.stream else window
             r = asyncio.run(run(app.url, policy, args.streams, args.seconds))

@@ -8,8 +8,9 @@ Why: in three `bench.gpu` runs minutes apart on one H200 (bench/RESULTS.md secti
 the int8 draft's one-token step took 0.84, 0.92 and 1.09 ms while its two-token step held at
 ~1.28 ms, and the sequential speedups followed the one-token step. Then one row went through
 Inductor's int8 GEMV, tuned by coordinate descent at every start (`--one-row inductor` still does);
-two rows through app/int8_gemv.py's Triton kernel, autotuned then, pinned since. Each trial here is a fresh process with empty Inductor and Triton caches (as a new host
-starts), so the spread across trials is what a start's tuning leaves to chance.
+two rows through app/int8_gemv.py's Triton kernel, autotuned then, pinned since. Each trial here
+is a fresh process with empty Inductor and Triton caches (as a new host starts), so the spread
+across trials is what a start's tuning leaves to chance.
 
 Per trial: the draft's one-token loop step (`bench.gpu.loop_step_time`: graph replay, argmax, the
 controlled-acceptance proposer; median of 5 x 100 steps), its two-token extra, and each 1B weight
@@ -33,9 +34,7 @@ import time
 
 import torch
 
-SHAPES = {"wqkv": (3072, 2048), "wo": (2048, 2048), "w_gate_up": (16384, 2048), "w_down": (2048, 8192),
-          "lm_head": (128256, 2048)}
-
+from bench.gpu_int8_gemv import SHAPES  # the 1B draft's weight shapes (name -> (out, in))
 
 CANDIDATES = [(8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 4), (32, 256, 8), (64, 128, 8), (8, 512, 4),
               (4, 512, 4), (4, 1024, 4), (8, 1024, 4), (2, 512, 4), (4, 256, 2), (8, 256, 2), (2, 1024, 4)]
@@ -71,11 +70,12 @@ def cold_table(path: str) -> None:
     table, pins = {}, []
     for name, (n, k) in SHAPES.items():
         for m in (1, 2):
-            row = {f"{bn}x{bk}w{w}": round(cold_micros(n, k, m, (bn, bk, w)), 2) for bn, bk, w in CANDIDATES}
-            best = min(range(len(CANDIDATES)), key=lambda i: list(row.values())[i])
+            us = [round(cold_micros(n, k, m, c), 2) for c in CANDIDATES]
+            best = min(range(len(us)), key=us.__getitem__)
+            row = {f"{bn}x{bk}w{w}": t for (bn, bk, w), t in zip(CANDIDATES, us)}
             table[f"{name} M{m}"] = row
             pins.append([n, k, m, *CANDIDATES[best]])
-            print(f"{name:10} {m:>2}  {list(row)[best]} ({list(row.values())[best]:.2f})  {row}", flush=True)
+            print(f"{name:10} {m:>2}  {list(row)[best]} ({us[best]:.2f})  {row}", flush=True)
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "pins": pins, "cold_us": table}, f, indent=1)
 
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--one-row", default="inductor,triton")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", action="store_true",
-                    help="per trial, the GPU time of one eager forward by kernel (instead of the per-config table)")
+                    help="per trial, also the GPU time of one eager forward by kernel")
     ap.add_argument("--cold-table", default="", metavar="JSON",
                     help="time every candidate block config with cold weights, write the best per shape here, exit")
     ap.add_argument("--pins", default="", metavar="JSON", help="trials use these block configs (from --cold-table)")
@@ -165,8 +165,7 @@ def main() -> None:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
                 cmd = ([sys.executable, "-m", "bench.gpu_draft_step", "--child", one_row] + (["--profile"] if args.profile else [])
                        + (["--pins", args.pins] if args.pins else []))
-                proc = subprocess.run(cmd, env=env,
-                                      capture_output=True, text=True, timeout=600)
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
                 print(f"trial {trial} {one_row} failed ({proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)

@@ -317,10 +317,15 @@ def rescore(path: str) -> None:
     print(json.dumps(report["verdict"], indent=1))
 
 
-def app_overrides(streams: int) -> dict:
-    """configs/local.yaml overrides for `streams` concurrent clients: all of them in one batch."""
-    return {"engine": {"limits": {"max_num_seqs": streams, "max_queue": streams * 2}},
-            "target_deployment": {"max_ongoing_requests": streams * 2 + 8}}
+def app_overrides(streams: int, policy: dict | None = None) -> dict:
+    """configs/local.yaml overrides for `streams` concurrent clients: all of them in one batch; with
+    `policy`, PolicyConfig overrides too (deep-merged into the config's, as everything here)."""
+    overrides: dict = {"engine": {"limits": {"max_num_seqs": streams, "max_queue": streams * 2}},
+                       "target_deployment": {"max_ongoing_requests": streams * 2 + 8}}
+    if policy:
+        overrides["policy"] = policy
+        print(f"policy overrides {policy}", flush=True)
+    return overrides
 
 
 def main() -> None:
@@ -346,11 +351,7 @@ def main() -> None:
     if args.start:
         from bench.app_process import AppProcess, local_args
 
-        overrides = app_overrides(max(levels))
-        if args.policy:
-            overrides["policy"] = args.policy
-            print(f"policy overrides {args.policy}", flush=True)
-        app_ctx = AppProcess(local_args(overrides))
+        app_ctx = AppProcess(local_args(app_overrides(max(levels), args.policy)))
         app_ctx.__enter__()
         url = app_ctx.url
     try:

@@ -255,8 +255,9 @@ class StepExplorer:
 
     The interval starts at `every_steps` and doubles after each exploration, up to
     `max_every_steps`; it falls back to `every_steps` once the planner has drafted on its own in
-    `every_steps` steps since the last exploration. Why: at low load an exploration step is dear. Its sequence is new to the draft, so the step
-    prefills its whole context on the draft, then drafts and crosses the exchange twice. Measured
+    `every_steps` steps since the last exploration. Why: at low load an exploration step is dear.
+    Its sequence is new to the draft, so the step prefills its whole context on the draft, then
+    drafts and crosses the exchange twice. Measured
     on the CPU app at 1 stream (bench.chunk_latency, bench/RESULTS.md section 7, session 15): with
     one exploration per 64 plain steps, about one per 64-token request, auto took 0.94-0.96 of
     'off''s time per request; with no exploration 0.98, with the interval backing off to 512 steps
