@@ -61,6 +61,12 @@ class BranchingPassGraphs:
         if target.device.type != draft.device.type:
             raise ValueError(f"target on {target.device}, draft on {draft.device}: put both on CUDA devices "
                              "(or both on the CPU, which runs the same ops eagerly)")
+        if target.device.type == "cuda" and target.device == draft.device:
+            # Not diagnosed: with both sides' captured passes on one GPU the output stayed plain greedy
+            # but the speculation broke (one run accepted nothing, another miscounted branch hits; its
+            # GPU test, session 18, at this commit and the one before). Overlap needs two GPUs anyway.
+            raise ValueError(f"target and draft both on {target.device}: the device-verdict loop needs the draft "
+                             "on a second GPU; on one GPU use the sequential pass (app/fast_spec_graph.py)")
         self.target, self.draft, self.k, self.steps = target, draft, k, steps
         self.td, self.dd = target.device, draft.device
         R, W, ML = draft.rows, k + 1, draft.max_len

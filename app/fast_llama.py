@@ -60,25 +60,31 @@ class FastLlama:
     def __init__(self, hf_model: torch.nn.Module, max_batch: int = 1, max_len: int = 1024,
                  compile_elementwise: bool = False, compile_forward: str | None = None,
                  attention: Literal["sdpa", "grouped"] = "sdpa", weights: Weights = "bf16",
-                 int8_one_row: Literal["inductor", "triton"] = "triton") -> None:
+                 int8_one_row: Literal["inductor", "triton"] = "triton",
+                 int8_few_rows: Literal["inductor", "triton"] = "triton") -> None:
         """weights: "bf16" keeps the model's weights as loaded (bf16 on the GPU; an fp32 model stays
         fp32); "int8" stores the four GEMMs of every layer (wqkv, wo, w_gate_up, w_down) and the
         lm_head as weight-only int8 with a per-output-row scale in the model's dtype; "int8_layers"
         quantises the layers' GEMMs and keeps the lm_head as loaded. For a draft model: its logits
         move slightly (acceptance may drop a little), the speculative output does not change,
         since the target verifies every proposal. On CUDA a few-row int8 matmul is one Triton kernel
-        reading int8 and dequantising in registers (app/int8_gemv.py for one and two rows, else
-        compiled by Inductor); on the CPU it runs eagerly. int8_one_row: the kernel of a one-row int8 matmul on CUDA, app/int8_gemv.py's
+        reading int8 and dequantising in registers (app/int8_gemv.py's, or Inductor's where the options
+        below say so); on the CPU it runs eagerly. int8_one_row: the kernel of a one-row int8 matmul on CUDA, app/int8_gemv.py's
         with block configs pinned from cold-weight timings (default; two rows always use it) or
         Inductor's, tuned by coordinate descent at each start, which made the 1B draft's step vary
-        0.85-0.99 ms from start to start (bench/gpu_draft_step.py, bench/RESULTS.md section 2, session 17)."""
+        0.85-0.99 ms from start to start (bench/gpu_draft_step.py, bench/RESULTS.md section 2, session 17).
+        int8_few_rows: the kernel of a 3-8 row int8 matmul on CUDA (a branching draft's rows, a short
+        verify of an int8 target): app/int8_gemv.py's few-row kernel (default), which reads each weight
+        once for all rows, or Inductor's written-out reduction, which made the 1B draft's forward over
+        5 rows 2.61 ms against 1.49 (H200, bench/RESULTS.md section 2, session 18)."""
         cfg = hf_model.config
         if compile_elementwise and compile_forward:
             raise ValueError("compile_forward already fuses the elementwise ops: pass one of the two")
         if attention not in ("sdpa", "grouped"):
             raise ValueError(f"attention={attention!r}: pick 'sdpa' or 'grouped'")
-        if int8_one_row not in ("inductor", "triton"):
-            raise ValueError(f"int8_one_row={int8_one_row!r}: pick 'inductor' or 'triton'")
+        for name, kernel in (("int8_one_row", int8_one_row), ("int8_few_rows", int8_few_rows)):
+            if kernel not in ("inductor", "triton"):
+                raise ValueError(f"{name}={kernel!r}: pick 'inductor' or 'triton'")
         if weights not in ("bf16", "int8", "int8_layers"):
             raise ValueError(f"weights={weights!r}: pick 'bf16', 'int8' or 'int8_layers'")
         # Fusing the small elementwise ops (RMSNorm, RoPE, SiLU*up) with torch.compile cuts
@@ -104,7 +110,7 @@ class FastLlama:
         self.eps = cfg.rms_norm_eps
         self.max_batch, self.max_len = max_batch, max_len
         self.weights = weights
-        self.int8_one_row = int8_one_row
+        self.int8_one_row, self.int8_few_rows = int8_one_row, int8_few_rows
         # int8 matmul per weight shape: see _int8_fn
         self._int8_fns: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
         self._int8_inlined = bool(compile_forward)
@@ -227,7 +233,9 @@ class FastLlama:
         if isinstance(w, torch.Tensor):
             return x @ w.T
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-        own_kernel = x2.shape[0] == 2 or (x2.shape[0] == 1 and self.int8_one_row == "triton")
+        m = x2.shape[0]
+        own_kernel = m == 2 or (m == 1 and self.int8_one_row == "triton") or \
+            (3 <= m <= int8_gemv.MAX_ROWS and self.int8_few_rows == "triton")
         if own_kernel and self.device.type == "cuda" and int8_gemv.AVAILABLE and not self._int8_inlined:
             y = int8_gemv.int8_gemv(x2, w.q, w.scale)  # pinned block configs; two rows read the weights once
         elif x2.shape[0] <= GEMV_MAX_ROWS:

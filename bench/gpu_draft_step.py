@@ -1,8 +1,9 @@
 """Run-to-run spread of the 1B int8 draft's one-token step, by one-row GEMV kernel (GPU, one card).
 
     python3 -m bench.gpu_draft_step [--trials 3] [--one-row inductor,triton] [--json PATH] [--profile]
-    python3 -m bench.gpu_draft_step --cold-table pins.json      # block configs timed with cold weights
+    python3 -m bench.gpu_draft_step --cold-table pins.json [--rows 1,2]  # block configs timed with cold weights
     python3 -m bench.gpu_draft_step --trials 3 --one-row triton --pins pins.json
+    python3 -m bench.gpu_draft_step --rows-breakdown 1,2,5 [--pins pins.json] [--json PATH]  # forward by rows
 
 Why: in three `bench.gpu` runs minutes apart on one H200 (bench/RESULTS.md section 2, session 16)
 the int8 draft's one-token step took 0.84, 0.92 and 1.09 ms while its two-token step held at
@@ -38,6 +39,9 @@ from bench.gpu_int8_gemv import SHAPES  # the 1B draft's weight shapes (name -> 
 
 CANDIDATES = [(8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 4), (32, 256, 8), (64, 128, 8), (8, 512, 4),
               (4, 512, 4), (4, 1024, 4), (8, 1024, 4), (2, 512, 4), (4, 256, 2), (8, 256, 2), (2, 1024, 4)]
+# the 3-8 row kernel: thin blocks reduce over K in registers; BLOCK_N >= 16 uses tl.dot on 16 padded rows
+ROWS_CANDIDATES = [(2, 512, 4), (4, 256, 4), (4, 512, 4), (8, 128, 4), (8, 256, 4), (4, 128, 2), (8, 256, 8),
+                   (2, 1024, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 4), (16, 512, 8)]
 
 
 def cold_micros(n: int, k: int, m: int, config: tuple[int, int, int], min_bytes: int = 256 << 20) -> float:
@@ -64,17 +68,18 @@ def cold_micros(n: int, k: int, m: int, config: tuple[int, int, int], min_bytes:
     return us
 
 
-def cold_table(path: str) -> None:
-    """Every candidate config on every 1B shape, one and two rows, cold; the best pinned to `path`."""
+def cold_table(path: str, rows: tuple[int, ...] = (1, 2)) -> None:
+    """Every candidate config on every 1B shape, per row count, cold; the best pinned to `path`."""
     print(f"{'shape':10} {'M':>2}  best config (us, cold)  all candidates (BLOCK_N x BLOCK_K w warps: us)", flush=True)
     table, pins = {}, []
     for name, (n, k) in SHAPES.items():
-        for m in (1, 2):
-            us = [round(cold_micros(n, k, m, c), 2) for c in CANDIDATES]
+        for m in rows:
+            candidates = CANDIDATES if m <= 2 else ROWS_CANDIDATES
+            us = [round(cold_micros(n, k, m, c), 2) for c in candidates]
             best = min(range(len(us)), key=us.__getitem__)
-            row = {f"{bn}x{bk}w{w}": t for (bn, bk, w), t in zip(CANDIDATES, us)}
+            row = {f"{bn}x{bk}w{w}": t for (bn, bk, w), t in zip(candidates, us)}
             table[f"{name} M{m}"] = row
-            pins.append([n, k, m, *CANDIDATES[best]])
+            pins.append([n, k, m, *candidates[best]])
             print(f"{name:10} {m:>2}  {list(row)[best]} ({us[best]:.2f})  {row}", flush=True)
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "pins": pins, "cold_us": table}, f, indent=1)
@@ -87,13 +92,13 @@ def load_pins(path: str) -> None:
         int8_gemv.pin({(n, k, m): (bn, bk, w) for n, k, m, bn, bk, w in json.load(f)["pins"]})
 
 
-def kernel_profile(fd, steps: int = 20) -> dict[str, float]:
-    """GPU microseconds per one-token forward by kernel name (torch.profiler over eager forwards:
-    launch gaps differ from a graph replay, each kernel's own duration does not), largest first."""
+def kernel_profile(fd, steps: int = 20, rows: int = 1) -> dict[str, float]:
+    """GPU microseconds per one-token forward of `rows` rows by kernel name (torch.profiler over eager
+    forwards: launch gaps differ from a graph replay, each kernel's own duration does not), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    tok = torch.zeros((1, 1), dtype=torch.long, device="cuda")
-    pos = torch.full((1, 1), 300, dtype=torch.long, device="cuda")
+    tok = torch.zeros((rows, 1), dtype=torch.long, device="cuda")
+    pos = torch.full((rows, 1), 300, dtype=torch.long, device="cuda")
     with torch.inference_mode():
         for _ in range(3):
             fd.forward(tok, pos, last_only=True)
@@ -107,6 +112,34 @@ def kernel_profile(fd, steps: int = 20) -> dict[str, float]:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             totals[e.name[:90]] = totals.get(e.name[:90], 0.0) + e.device_time / steps
     return {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
+    """The 1B draft's one-token forward over R rows (as the branching draft steps its rows), per
+    variant (bf16; int8 with the few-row kernel `int8-triton` or Inductor's `int8-inductor`): one
+    CUDA graph's time per forward and its kernels' GPU time by name (eager, torch.profiler)."""
+    from app.fast_llama import FastLlama
+    from bench.gpu import random_llama
+    from bench.gpu_int8_gemv import micros
+
+    hf, out = random_llama("1b"), []
+    for variant in variants:
+        weights, _, few = variant.partition("-")
+        fd = FastLlama(hf, max_batch=max(rows), max_len=512, attention="grouped", weights=weights,
+                       compile_elementwise=True, int8_few_rows=few or "triton")
+        for r in rows:
+            tok = torch.zeros((r, 1), dtype=torch.long, device="cuda")
+            pos = torch.full((r, 1), 300, dtype=torch.long, device="cuda")
+            with torch.inference_mode():
+                us = micros(lambda: fd.forward(tok, pos, last_only=True), 50)
+                kernels = kernel_profile(fd, rows=r)
+            row = {"variant": variant, "rows": r, "forward_us": round(us, 1), "kernels_us": kernels}
+            out.append(row)
+            print(f"{variant:14} R {r}: forward {us:7.1f} us (graph); eager kernels sum {sum(kernels.values()):7.1f} us; "
+                  f"top: {dict(list(kernels.items())[:6])}", flush=True)
+        del fd
+        torch.cuda.empty_cache()
+    return out
 
 
 def child(one_row: str, profile: bool = False) -> dict:
@@ -145,14 +178,24 @@ def main() -> None:
                     help="per trial, also the GPU time of one eager forward by kernel")
     ap.add_argument("--cold-table", default="", metavar="JSON",
                     help="time every candidate block config with cold weights, write the best per shape here, exit")
+    ap.add_argument("--rows", default="1,2", help="--cold-table: the row counts to time (3-8: the few-row kernel)")
     ap.add_argument("--pins", default="", metavar="JSON", help="trials use these block configs (from --cold-table)")
+    ap.add_argument("--rows-breakdown", default="", metavar="R,R,...",
+                    help="time the forward over these row counts per --variants and profile its kernels, then exit")
+    ap.add_argument("--variants", default="bf16,int8-triton,int8-inductor")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.cold_table:
-        cold_table(args.cold_table)
+        cold_table(args.cold_table, tuple(int(m) for m in args.rows.split(",")))
         return
     if args.pins:
         load_pins(args.pins)
+    if args.rows_breakdown:
+        res = rows_breakdown([int(r) for r in args.rows_breakdown.split(",")], args.variants.split(","))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "pins": args.pins, "results": res}, f, indent=1)
+        return
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.profile)), flush=True)
         return

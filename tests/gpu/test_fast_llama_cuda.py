@@ -39,7 +39,7 @@ def test_graph_replay_equals_eager() -> None:
         torch.testing.assert_close(fused.run(tokens, positions).float(), want.float(), atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("n,k", [(40, 96), (3072, 2048), (2048, 8192), (33, 300)])
 def test_triton_int8_gemv_equals_the_dequantised_matmul(m: int, n: int, k: int) -> None:
     from app.fast_llama import _int8_matmul, quantize_int8
@@ -69,6 +69,25 @@ def test_every_pinned_block_config_gives_the_dequantised_matmul() -> None:
         got = int8_gemv(x, qw.q, qw.scale).float()
         assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item(), (n, k, m, config)
     assert (40, 96, 1) not in PINNED  # test_triton_int8_gemv_equals_the_dequantised_matmul covers autotuning
+
+
+@pytest.mark.parametrize("m", [3, 4, 5, 8])
+def test_every_few_row_block_config_gives_the_dequantised_matmul(m: int) -> None:
+    """The 3-8 row kernel has two bodies (a reduction for thin blocks, tl.dot on 16 padded rows for
+    BLOCK_N >= 16): every candidate config, as a pin would launch it, must compute the matmul."""
+    from app.fast_llama import _int8_matmul, quantize_int8
+    from app.int8_gemv import launch
+    from bench.gpu_draft_step import ROWS_CANDIDATES
+
+    torch.manual_seed(0)
+    for n, k in [(2048, 8192), (3072, 2048), (40, 96)]:
+        qw = quantize_int8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = _int8_matmul(x, qw.q, qw.scale).float()
+        for config in ROWS_CANDIDATES:
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            launch(x, qw.q, qw.scale, y, config)
+            assert (y.float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item(), (n, k, m, config)
 
 
 @pytest.mark.parametrize("P", [20, 32])  # padded to a 32-bucket, and a prompt that fills its bucket

@@ -162,3 +162,18 @@ def test_int8_weights_stay_close_to_the_model(hf_model: LlamaForCausalLM, weight
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
     # half the bytes per weight read, or a quarter for fp32 (scales and norms aside)
     assert fast.weight_bytes_per_step() < 0.45 * FastLlama(hf_model, max_len=64).weight_bytes_per_step()
+
+
+def test_a_few_rows_decode_alike_with_either_attention(hf_model: LlamaForCausalLM) -> None:
+    """Four sequences at different lengths in one FastLlama, one decode step for all (the branching
+    draft's step): grouped attention over the batch gives SDPA's logits."""
+    g = torch.Generator().manual_seed(9)
+    out = {}
+    for attention in ("sdpa", "grouped"):
+        fast = FastLlama(hf_model, max_batch=4, max_len=64, attention=attention)
+        ids = torch.randint(0, 97, (4, 20), generator=g.manual_seed(9))
+        fast.forward(ids, torch.arange(20).expand(4, 20))  # prefill all four rows
+        tok = torch.randint(0, 97, (4, 1), generator=g)
+        pos = torch.tensor([[20], [12], [17], [5]])  # each row decodes at its own position
+        out[attention] = fast.forward(tok, pos, last_only=True)
+    torch.testing.assert_close(out["grouped"], out["sdpa"], atol=TOL, rtol=TOL)
