@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple, TypeVar
 import torch
 import torch.nn.functional as F
 
-from app import int8_gemv
+from app import int8_gemv, rows_attention
 
 Out = TypeVar("Out")
 Weights = Literal["bf16", "int8", "int8_layers"]
@@ -61,7 +61,8 @@ class FastLlama:
                  compile_elementwise: bool = False, compile_forward: str | None = None,
                  attention: Literal["sdpa", "grouped"] = "sdpa", weights: Weights = "bf16",
                  int8_one_row: Literal["inductor", "triton"] = "triton",
-                 int8_few_rows: Literal["inductor", "triton"] = "triton") -> None:
+                 int8_few_rows: Literal["inductor", "triton"] = "triton",
+                 decode_attention: Literal["matmul", "triton"] = "matmul") -> None:
         """weights: "bf16" keeps the model's weights as loaded (bf16 on the GPU; an fp32 model stays
         fp32); "int8" stores the four GEMMs of every layer (wqkv, wo, w_gate_up, w_down) and the
         lm_head as weight-only int8 with a per-output-row scale in the model's dtype; "int8_layers"
@@ -76,7 +77,10 @@ class FastLlama:
         int8_few_rows: the kernel of a 3-8 row int8 matmul on CUDA (a branching draft's rows, a short
         verify of an int8 target): app/int8_gemv.py's few-row kernel (default), which reads each weight
         once for all rows, or Inductor's written-out reduction, which made the 1B draft's forward over
-        5 rows 2.61 ms against 1.49 (H200, bench/RESULTS.md section 2, session 18)."""
+        5 rows 2.61 ms against 1.49 (H200, bench/RESULTS.md section 2, session 18).
+        decode_attention: a one-token step of 2+ sequences attends through `attention` (matmul: copies
+        both caches per layer, see app/rows_attention.py) or app/rows_attention.py's kernel, which
+        reads them in place (CUDA only)."""
         cfg = hf_model.config
         if compile_elementwise and compile_forward:
             raise ValueError("compile_forward already fuses the elementwise ops: pass one of the two")
@@ -87,6 +91,8 @@ class FastLlama:
                 raise ValueError(f"{name}={kernel!r}: pick 'inductor' or 'triton'")
         if weights not in ("bf16", "int8", "int8_layers"):
             raise ValueError(f"weights={weights!r}: pick 'bf16', 'int8' or 'int8_layers'")
+        if decode_attention not in ("matmul", "triton"):
+            raise ValueError(f"decode_attention={decode_attention!r}: pick 'matmul' or 'triton'")
         # Fusing the small elementwise ops (RMSNorm, RoPE, SiLU*up) with torch.compile cuts
         # the kernels per layer roughly 3x; the GEMMs stay cuBLAS. Compiles in seconds, not minutes.
         fuse = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile_elementwise else (lambda f: f)
@@ -111,6 +117,11 @@ class FastLlama:
         self.max_batch, self.max_len = max_batch, max_len
         self.weights = weights
         self.int8_one_row, self.int8_few_rows = int8_one_row, int8_few_rows
+        self._rows_attention = decode_attention == "triton"
+        if self._rows_attention and not (self.device.type == "cuda" and rows_attention.supports(
+                cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim)):
+            raise ValueError(f"decode_attention='triton' needs CUDA with Triton and power-of-two head groups and "
+                             f"head_dim; this model is on {self.device}: use decode_attention='matmul'")
         # int8 matmul per weight shape: see _int8_fn
         self._int8_fns: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
         self._int8_inlined = bool(compile_forward)
@@ -220,7 +231,10 @@ class FastLlama:
             kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]  # [B, max_len, KV, D]
             # rope, and this step's K/V written into the static cache at each row's positions
             q = self._qkv_to_cache(qkv, cos, sin, kc, vc, batch_idx, positions, H, KV, D)  # [B, H, T, D]
-            attn = self._attend(q, kc.transpose(1, 2), vc.transpose(1, 2), mask)  # [B, H, T, D]
+            if self._rows_attention and T == 1 and B > 1:  # read the caches in place (app/rows_attention.py)
+                attn = rows_attention.decode_attention(q, kc, vc, positions.reshape(B))  # [B, H, 1, D]
+            else:
+                attn = self._attend(q, kc.transpose(1, 2), vc.transpose(1, 2), mask)  # [B, H, T, D]
             x, h = self._add_norm(x, self._mm(attn.transpose(1, 2).reshape(B, T, H * D), L["wo"]), L["post_norm"], self.eps)
             mlp = self._mm(self._silu_mul(self._mm(h, L["w_gate_up"]), self.ffn), L["w_down"])
             next_norm = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.final_norm

@@ -121,6 +121,8 @@ def main() -> None:
                     help="the branching draft's weights (int8: its R-row steps through --int8-few-rows)")
     ap.add_argument("--int8-few-rows", choices=("triton", "inductor"), default="triton",
                     help="kernel of the int8 draft's 3-8 row matmuls (app/int8_gemv.py's or Inductor's)")
+    ap.add_argument("--decode-attention", choices=("matmul", "triton"), default="matmul",
+                    help="the branching draft's attention over its rows (triton: app/rows_attention.py, in place)")
     ap.add_argument("--pins", default="", metavar="JSON",
                     help="int8 block configs to pin first (bench.gpu_draft_step --cold-table)")
     ap.add_argument("--sequential-weights", default="bf16,int8",
@@ -150,7 +152,8 @@ def main() -> None:
     ref[P: P + len(reference)] = torch.tensor(reference)
     draft_model = FastLlama(drafts_hf.get("cuda:1") or random_llama("1b", "cuda:1"),
                             max_batch=args.model_rows or args.rows, max_len=max_len, attention="grouped",
-                            compile_elementwise=True, weights=args.draft_weights, int8_few_rows=args.int8_few_rows)
+                            compile_elementwise=True, weights=args.draft_weights, int8_few_rows=args.int8_few_rows,
+                            decode_attention=args.decode_attention)
     betas = [float(b) for b in args.beta.split(",")]
     propose = ControlledBranches(ref.to("cuda:1"), args.alpha, betas[0], vocab=128256, seed=7)
     bench_draft = None

@@ -116,7 +116,8 @@ def kernel_profile(fd, steps: int = 20, rows: int = 1) -> dict[str, float]:
 
 def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
     """The 1B draft's one-token forward over R rows (as the branching draft steps its rows), per
-    variant (bf16; int8 with the few-row kernel `int8-triton` or Inductor's `int8-inductor`): one
+    variant (bf16; int8 with the few-row kernel `int8-triton` or Inductor's `int8-inductor`; a `:in-place`
+    suffix reads the caches in place for 2+ rows, app/rows_attention.py): one
     CUDA graph's time per forward and its kernels' GPU time by name (eager, torch.profiler)."""
     from app.fast_llama import FastLlama
     from bench.gpu import random_llama
@@ -124,9 +125,11 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
 
     hf, out = random_llama("1b"), []
     for variant in variants:
-        weights, _, few = variant.partition("-")
+        kernels, _, attn = variant.partition(":")
+        weights, _, few = kernels.partition("-")
         fd = FastLlama(hf, max_batch=max(rows), max_len=512, attention="grouped", weights=weights,
-                       compile_elementwise=True, int8_few_rows=few or "triton")
+                       compile_elementwise=True, int8_few_rows=few or "triton",
+                       decode_attention="triton" if attn == "in-place" else "matmul")
         for r in rows:
             tok = torch.zeros((r, 1), dtype=torch.long, device="cuda")
             pos = torch.full((r, 1), 300, dtype=torch.long, device="cuda")

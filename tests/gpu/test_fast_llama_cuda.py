@@ -112,3 +112,44 @@ def test_graphed_prefill_equals_eager_prefill(P: int) -> None:
         # the K/V the decode steps will read: positions 0..P-1 (pads only wrote past P)
         torch.testing.assert_close(graphed.k_cache[:, 0, :P].float(), eager.k_cache[:, 0, :P].float(), **tol)
         torch.testing.assert_close(graphed.v_cache[:, 0, :P].float(), eager.v_cache[:, 0, :P].float(), **tol)
+
+
+@pytest.mark.parametrize("D,G", [(64, 4), (128, 4), (64, 1)])
+def test_in_place_decode_attention_equals_the_masked_softmax(D: int, G: int) -> None:
+    """app/rows_attention.py: one token per sequence against a slice of a position-major cache with more
+    rows than in use, each sequence at its own position (0, a block edge, the last slot)."""
+    from app.fast_llama import _sdpa_attention
+    from app.rows_attention import decode_attention
+
+    torch.manual_seed(0)
+    B, KV, ML = 5, 8, 300
+    big_k, big_v = (torch.randn(B + 2, ML, KV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kc, vc = big_k[:B], big_v[:B]  # [B, ML, KV, D], as FastLlama slices a layer's cache
+    q = torch.randn(B, KV * G, 1, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([0, 17, 31, 32, ML - 1], device="cuda")
+    mask = (torch.arange(ML, device="cuda")[None, :] <= pos[:, None]).view(B, 1, 1, ML)
+    want = _sdpa_attention(q.float(), kc.transpose(1, 2).float(), vc.transpose(1, 2).float(), mask)
+    got = decode_attention(q, kc, vc, pos).float()
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 2e-2
+
+
+def test_a_few_rows_step_alike_with_in_place_attention() -> None:
+    """FastLlama over 5 rows at different positions: decode_attention='triton' gives the matmul path's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.fast_llama import FastLlama
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    out = {}
+    for attn in ("matmul", "triton"):
+        fast = FastLlama(hf, max_batch=5, max_len=96, attention="grouped", decode_attention=attn)
+        ids = torch.randint(0, 512, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        fast.forward(ids, torch.arange(40, device="cuda").expand(5, 40))
+        tok = torch.randint(0, 512, (5, 1), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+        pos = torch.tensor([[40], [3], [25], [39], [0]], device="cuda")
+        out[attn] = fast.forward(tok, pos, last_only=True).float()
+    assert (out["triton"] - out["matmul"]).abs().max().item() <= 5e-2 * out["matmul"].abs().max().item()
