@@ -230,6 +230,23 @@ def summarize(cells: list[Cell], levels: list[int]) -> dict[tuple[int, str], dic
     return out
 
 
+def paired_ratio(cells: list[Cell], c: int) -> dict[str, float | None]:
+    """Auto over the better fixed policy within each round (the three cells of a round ran back to back,
+    so they share the host's state), then the mean over rounds and its standard error. A second reading
+    of the medians' verdict: on a noisy host the two disagreed by up to 0.08 (bench/RESULTS.md section 7)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for x in cells:
+        if x.concurrency == c:
+            by_round.setdefault(x.round, {})[x.policy] = x.goodput_tok_s
+    ratios = [r["auto"] / max(r["on"], r["off"]) for r in by_round.values()
+              if len(r) == len(POLICIES) and max(r["on"], r["off"]) > 0]
+    if not ratios:
+        return {"paired_mean": None, "paired_se": None}
+    mean = sum(ratios) / len(ratios)
+    se = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1) / len(ratios)) ** 0.5 if len(ratios) > 1 else None
+    return {"paired_mean": round(mean, 3), "paired_se": _r(se)}
+
+
 def verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
     summary = summarize(cells, levels)
     rows = []
@@ -245,6 +262,7 @@ def verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
         better = "on" if on > off else "off"
         rows.append({"concurrency": c, "on": on, "off": off, "auto": auto, "rounds": a["rounds"],
                      "auto_over_best_fixed": round(auto / best_fixed, 3) if best_fixed else None,
+                     **paired_ratio(cells, c),
                      "auto_above_both": auto > best_fixed, "auto_mostly": auto_mode, "better_fixed": better,
                      "auto_mode_matches_better_fixed": auto_mode == better})
     within = all(r["auto_over_best_fixed"] is not None and r["auto_over_best_fixed"] >= 0.97 for r in rows)
@@ -361,12 +379,14 @@ def main() -> None:
             app_ctx.__exit__(None, None, None)
     load_after = os.getloadavg()
     v = verdict(cells, levels)
-    print(f"{'conc':>5}{'on':>9}{'off':>9}{'auto':>9}{'auto/best':>10}  auto mostly / better fixed; auto's depth, share")
+    print(f"{'conc':>5}{'on':>9}{'off':>9}{'auto':>9}{'auto/best':>10}{'paired':>15}  auto mostly / better fixed; "
+          "auto's depth, share")
     summary = summarize(cells, levels)
     for r in v["levels"]:
         a_sum = summary[(r["concurrency"], "auto")]
+        paired = f"{r['paired_mean']} ± {r['paired_se']}" if r["paired_mean"] is not None else "-"
         print(f"{r['concurrency']:>5}{r['on']:>9.1f}{r['off']:>9.1f}{r['auto']:>9.1f}{r['auto_over_best_fixed']:>10.3f}"
-              f"  {r['auto_mostly']} / {r['better_fixed']}; {a_sum['mean_depth']}, {a_sum['drafting_share']}")
+              f"{paired:>15}  {r['auto_mostly']} / {r['better_fixed']}; {a_sum['mean_depth']}, {a_sum['drafting_share']}")
     print("auto / best fixed policy:", " ".join(f"c={r['concurrency']}:{r['auto_over_best_fixed']}" for r in v["levels"]))
     print("auto mostly / better fixed:", " ".join(f"c={r['concurrency']}:{r['auto_mostly']}/{r['better_fixed']}"
                                                    for r in v["levels"]))
