@@ -257,8 +257,11 @@ def verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
         on, off, auto = (by[p]["goodput_median"] for p in POLICIES)
         best_fixed = max(on, off)
         a = by["auto"]
-        # what auto controls is the mode: did most of its requests draft, as the better policy does?
-        auto_mode = "on" if a["requests"] and a["drafted_requests"] * 2 > a["requests"] else "off"
+        # what auto controls is the mode: did most of its sequence-steps draft, as the better policy's do?
+        # (by steps, not requests: at low load nearly every auto request drafts a few exploring steps, so a
+        # request count called auto "on" at a 1-4 % drafting share; cells without step counts use requests)
+        share = a["drafting_share"]
+        auto_mode = "on" if (share > 0.5 if share is not None else a["drafted_requests"] * 2 > a["requests"]) else "off"
         better = "on" if on > off else "off"
         rows.append({"concurrency": c, "on": on, "off": off, "auto": auto, "rounds": a["rounds"],
                      "auto_over_best_fixed": round(auto / best_fixed, 3) if best_fixed else None,

@@ -28,3 +28,13 @@ def test_a_round_missing_a_policy_is_left_out_of_the_paired_mean() -> None:
     level = verdict(cells, [4])["levels"][0]
     assert level["paired_mean"] == pytest.approx(0.97)
     assert level["paired_se"] is None  # one complete round: no spread to estimate
+
+
+def test_auto_mode_is_read_from_its_drafting_steps_not_its_requests() -> None:
+    """Every auto request drafted a little (exploration) but 3 % of its steps drafted: auto ran 'off'."""
+    auto = cell("auto", 1, 0, 99.0)
+    auto.reasons, auto.drafted_requests, auto.drafts, auto.steps = {"low_acceptance": 10}, 10, 30, 1000
+    level = verdict([cell("on", 1, 0, 90.0), cell("off", 1, 0, 100.0), auto], [1])["levels"][0]
+    assert (level["auto_mostly"], level["better_fixed"]) == ("off", "off")
+    auto.drafts = 700  # now most steps drafted
+    assert verdict([cell("on", 1, 0, 90.0), cell("off", 1, 0, 100.0), auto], [1])["levels"][0]["auto_mostly"] == "on"
