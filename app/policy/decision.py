@@ -111,7 +111,10 @@ class SpeculationDecision(_Strict):
 
 
 class PolicyConfig(_Strict):
-    margin: float = Field(1.05, ge=1.0, description="predicted speedup needed to speculate")
+    margin: float = Field(
+        1.15, ge=1.0, description="predicted speedup needed to speculate. 1.15 (was 1.05): at 2 streams on CPU, where "
+        "'off' beats 'on' by ~5 %, auto drafted 30-56 % of steps at 1.05 and lost 3-4 % to 'off'; at 1.15 it drafted "
+        "1-12 % and matched 'off' (bench/RESULTS.md section 7, sessions 17-18)")
     min_output_tokens: int = Field(16, ge=1)
     explore_every_steps: int = Field(
         64, ge=0, description="engine steps without an adaptive draft before one exploration step; 0: never")
