@@ -62,9 +62,13 @@ class BranchingPassGraphs:
             raise ValueError(f"target on {target.device}, draft on {draft.device}: put both on CUDA devices "
                              "(or both on the CPU, which runs the same ops eagerly)")
         if target.device.type == "cuda" and target.device == draft.device:
-            # Not diagnosed: with both sides' captured passes on one GPU the output stayed plain greedy
-            # but the speculation broke (one run accepted nothing, another miscounted branch hits; its
-            # GPU test, session 18, at this commit and the one before). Overlap needs two GPUs anyway.
+            # With both sides' captured passes on one GPU the output stayed plain greedy but the speculation
+            # broke (one run accepted nothing, another miscounted branch hits; its GPU test, session 18).
+            # Probable cause, found by reading and not yet tested: _queue_pass nests two stream contexts
+            # around each copy. On two devices both streams are current (one per device) and a copy
+            # between devices orders itself after both. On one device only the inner one is current, so the
+            # mirror copy waits for the verdict but not the draft's pass, the control copy for the draft's
+            # pass but not the verdict, and neither pass waits for the other side's copy. Overlap needs two GPUs anyway.
             raise ValueError(f"target and draft both on {target.device}: the device-verdict loop needs the draft "
                              "on a second GPU; on one GPU use the sequential pass (app/fast_spec_graph.py)")
         self.target, self.draft, self.k, self.steps = target, draft, k, steps
