@@ -252,7 +252,7 @@ class FastLlama:
             (3 <= m <= int8_gemv.MAX_ROWS and self.int8_few_rows == "triton")
         if own_kernel and self.device.type == "cuda" and int8_gemv.AVAILABLE and not self._int8_inlined:
             y = int8_gemv.int8_gemv(x2, w.q, w.scale)  # pinned block configs; two rows read the weights once
-        elif x2.shape[0] <= GEMV_MAX_ROWS:
+        elif m <= GEMV_MAX_ROWS:
             y = self._int8_fn(w.q.shape)(x2, w.q, w.scale)
         else:  # a prefill: dequantise once (a transient copy of this one matrix) and use cuBLAS
             y = _int8_matmul(x2, w.q, w.scale)

@@ -131,6 +131,8 @@ def main() -> None:
                     help="whole calls timed per loop; the coins run on between calls, so each call draws other "
                          "hits: the mean rate over many calls estimates the expected speed, a median of 5 varied ~5 %%")
     args = ap.parse_args()
+    if args.bench_setup and not args.free_earlier and (args.draft_weights, args.decode_attention) != ("bf16", "matmul"):
+        ap.error("--bench-setup times the bench's own bf16 draft: --draft-weights/--decode-attention need --free-earlier")
     if args.pins:
         from bench.gpu_draft_step import load_pins
         load_pins(args.pins)

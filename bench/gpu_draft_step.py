@@ -125,8 +125,8 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
 
     hf, out = random_llama("1b"), []
     for variant in variants:
-        kernels, _, attn = variant.partition(":")
-        weights, _, few = kernels.partition("-")
+        gemms, _, attn = variant.partition(":")
+        weights, _, few = gemms.partition("-")
         fd = FastLlama(hf, max_batch=max(rows), max_len=512, attention="grouped", weights=weights,
                        compile_elementwise=True, int8_few_rows=few or "triton",
                        decode_attention="triton" if attn == "in-place" else "matmul")
