@@ -1,6 +1,7 @@
 """Overlapped drafting with runner-up branches against the sequential and one-chain overlapped loops.
 
-    python3 -m bench.gpu_branches [--alphas 0.5,0.7,0.9] [--betas 0.41,0.52] [--out bench/out/gpu-branches.json]
+    python3 -m bench.gpu_branches [--alphas 0.5,0.7,0.9] [--betas 0.41,0.52] [--device-verdict-only]
+        [--branch-weights int8|bf16] [--decode-attention triton|matmul] [--out bench/out/gpu-branches.json]
 
 Needs two GPUs of one host: the target (Llama-3.1-8B shaped, random bf16 weights) on cuda:0, the
 overlapped drafts (Llama-3.2-1B shaped) on cuda:1; the sequential drafts run on cuda:0 beside the
@@ -13,7 +14,8 @@ beta (`app.fast_branches.ControlledBranches`). The embedded trained pair's measu
 Rows, per alpha, all in one run on one card pair:
 - sequential, one CUDA graph per pass (app/fast_spec_graph.py), bf16 and int8 drafts: the baselines;
 - overlapped as built (one chain; fast_decode.speculative_generate), bf16 draft;
-- overlapped with branches (app/fast_branches.py), bf16 draft, R cache rows (1 main + R - 1 branches), at each beta:
+- overlapped with branches (app/fast_branches.py), int8 draft (--branch-weights) whose R-row step attends in
+  place (--decode-attention), R cache rows (1 main + R - 1 branches), at each beta:
   as built (a pass's forks as one graph replay), with the eager fork, and (--both-orders) with the
   draft's work queued before the target's verify;
 - the same branches with the verdict on the device (app/fast_branch_graph.py), same k and R.
@@ -26,15 +28,18 @@ output is checked against plain greedy decoding.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from app.fast_branch_graph import BranchingPassGraphs
 from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
-from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
+from app.fast_decode import ControlledAcceptance, GreedyLoop, SpecStats, plain_generate, speculative_generate
 from app.fast_llama import FastLlama
 from app.fast_spec_graph import SpeculativePassGraph
 from bench.gpu import BusyTimer, loop_step_time, random_llama, step_time, timed
@@ -62,6 +67,33 @@ def measure(fn, n: int, reps: int = 5) -> tuple[float, object]:
     return n / seconds[reps // 2], out["r"]
 
 
+def pooled(stats: list[SpecStats]) -> SpecStats:
+    """One SpecStats summing the counts of several calls (one per coin seed)."""
+    total = SpecStats()
+    for st in stats:
+        for f in dataclasses.fields(SpecStats):
+            if f.name != "widths":
+                setattr(total, f.name, getattr(total, f.name) + getattr(st, f.name))
+        for w, c in st.widths.items():
+            total.widths[w] = total.widths.get(w, 0) + c
+    return total
+
+
+def measure_seeds(fn, reseed, n: int, seeds: list[int]) -> tuple[float, tuple[list[int], SpecStats], bool]:
+    """measure() under each coin seed: (tokens over the summed median call times, (the first seed's
+    output, the pooled stats), every seed's output identical to the first's). One seed's 256 tokens
+    give a per-token acceptance within about ±0.03 of the nominal alpha, and two loops draw their coins
+    in different orders, so a single seed can favour one loop by several percent (session 19)."""
+    seconds, stats, outs = 0.0, [], []
+    for seed in seeds:
+        reseed(seed)
+        tok_s, (out, st) = measure(fn, n)
+        seconds += n / tok_s
+        stats.append(st)
+        outs.append(out)
+    return n * len(seeds) / seconds, (outs[0], pooled(stats)), all(o == outs[0] for o in outs)
+
+
 def busy_per_pass(target: FastLlama, draft, fn) -> dict[str, float]:
     """One more call of fn() with CUDA events around every target pass and every batch of draft
     steps (bench.gpu.BusyTimer): ms per pass of wall time, target busy and draft busy. Where the
@@ -84,8 +116,18 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=6)
     parser.add_argument("--both-orders", action="store_true",
                         help="also run each branching row with the draft's work queued before the target's verify")
+    parser.add_argument("--branch-weights", choices=("bf16", "int8"), default="int8",
+                        help="weights of the branching draft (int8: the 3-8 row Triton GEMV of app/int8_gemv.py)")
+    parser.add_argument("--decode-attention", choices=("matmul", "triton"), default="triton",
+                        help="the branching draft's R-row step attends in place (triton, app/rows_attention.py) "
+                             "or through batched matmuls over copied caches (matmul, the default before session 19)")
+    parser.add_argument("--device-verdict-only", action="store_true",
+                        help="time only the device-verdict branching loop (skip the host-verdict variants)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="time every row under this many coin seeds (7, 8, ...) and pool them")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu-branches.json"))
     args = parser.parse_args()
+    seeds = list(range(7, 7 + args.seeds))
     # the drafts' fused elementwise ops (compile_elementwise, dynamic shapes) meet a new batch size per
     # row count and per weights: more variants than Dynamo's default limit of 8 per function
     torch._dynamo.config.recompile_limit = 64
@@ -115,17 +157,23 @@ def main() -> None:
     def fast_draft(device: str, weights: str, rows: int = 1) -> FastLlama:
         hf = draft_hf0 if device == "cuda:0" else draft_hf1
         return FastLlama(hf, max_batch=rows, max_len=max_len, attention="grouped", weights=weights,
-                         compile_elementwise=True)
+                         compile_elementwise=True, decode_attention=args.decode_attention if rows > 1 else "matmul")
 
     alphas = [float(a) for a in args.alphas.split(",")]
     betas = [float(b) for b in args.betas.split(",")]
     rows: list[dict[str, object]] = []
 
     def record(mode: str, weights: str, alpha: float, beta: float | None, k: int, L: int, tok_s: float,
-               out: list[int], stats, predicted_ms: float) -> None:
+               out: list[int], stats, predicted_ms: float, same_every_seed: bool,
+               model_ms: Callable[[float, float], float]) -> None:
+        """model_ms(alpha, branch hit rate) -> the row's modelled ms per token, here taken again at
+        the measured per-token acceptance and hit rate: what the coins dealt, separated from the loop."""
         row = {"mode": mode, "draft_weights": weights, "alpha": alpha, "beta": beta, "k": k, "overlap_steps": L,
-               "tok_s": tok_s, "speedup_vs_plain": tok_s / plain_tok_s, "identical_to_plain": out == reference[:n],
+               "tok_s": tok_s, "speedup_vs_plain": tok_s / plain_tok_s, "seeds": len(seeds),
+               "identical_to_plain": out == reference[:n] and same_every_seed,
                "predicted_speedup": t_ver[1] / predicted_ms, "per_token_acceptance": stats.per_token_acceptance,
+               "predicted_speedup_at_measured": t_ver[1] / model_ms(stats.per_token_acceptance,
+                                                                    stats.branch_hits / max(1, stats.branch_tries)),
                "passes": stats.passes, "restarts": stats.restarts, "forks": stats.forks,
                "branch_tries": stats.branch_tries, "branch_hits": stats.branch_hits,
                "branch_hit_rate": stats.branch_hits / max(1, stats.branch_tries)}
@@ -141,9 +189,10 @@ def main() -> None:
         for alpha in alphas:
             ms, k = min((sequential_ms_per_token(alpha, k, costs), k) for k in range(1, max_k + 1))
             graph = SpeculativePassGraph(ft, loop, k)
-            loop.propose.reseed(alpha, seed=7)
-            tok_s, (out, stats) = measure(lambda: graph.generate(prompt, n), n)
-            record("sequential-graph", weights, alpha, None, k, 0, tok_s, out, stats, ms)
+            tok_s, (out, stats), same = measure_seeds(lambda: graph.generate(prompt, n),
+                                                      functools.partial(loop.propose.reseed, alpha), n, seeds)
+            record("sequential-graph", weights, alpha, None, k, 0, tok_s, out, stats, ms, same,
+                   lambda a, _h: sequential_ms_per_token(a, k, costs))
         del loop
         torch.cuda.empty_cache()
 
@@ -158,23 +207,27 @@ def main() -> None:
     for alpha in alphas:
         ms, k, L = min((overlapped_ms_per_token(alpha, k, L, one_row), k, L)
                        for k in range(1, max_k + 1) for L in range(1, k + 3))
+        go = functools.partial(speculative_generate, ft, chain, prompt, n, k, overlap_steps=L)
+        tok_s, (out, stats), same = measure_seeds(go, functools.partial(chain.propose.reseed, alpha), n, seeds)
+        record("overlapped", "bf16", alpha, None, k, L, tok_s, out, stats, ms, same,
+               lambda a, _h: overlapped_ms_per_token(a, k, L, one_row))
         chain.propose.reseed(alpha, seed=7)
-        go = lambda: speculative_generate(ft, chain, prompt, n, k, overlap_steps=L)  # noqa: E731
-        tok_s, (out, stats) = measure(go, n)
-        record("overlapped", "bf16", alpha, None, k, L, tok_s, out, stats, ms)
         rows[-1]["busy"] = busy_per_pass(ft, chain, go)
         log(f"  per pass: {rows[-1]['busy']}")
     del chain
     torch.cuda.empty_cache()
 
     # overlapped with branches: one draft model with max_k + 2 cache rows, a BranchingDraft per row count
-    model = fast_draft("cuda:1", "bf16", rows=max_k + 2)
+    bw = args.branch_weights
+    model = fast_draft("cuda:1", bw, rows=max_k + 2)
     propose = ControlledBranches(ref1, 1.0, 0.0, vocab=VOCAB, seed=7)
     drafts = {r: BranchingDraft(model, r, propose) for r in range(2, max_k + 3)}
     t_rows = {r: branch_step_time(d) * 1e3 for r, d in drafts.items()}
-    res["t_draft_ms_by_rows_bf16"] = t_rows
+    res[f"t_draft_ms_by_rows_{bw}"] = t_rows
+    res["branch_decode_attention"] = args.decode_attention
     exact: dict[int, BranchingDraft] = {}
-    log(f"bf16 draft step by rows (ms): { {r: round(t, 3) for r, t in t_rows.items()} }")
+    log(f"{bw} draft step by rows, {args.decode_attention} attention (ms): "
+        f"{ {r: round(t, 3) for r, t in t_rows.items()} }")
     for alpha in alphas:
         for beta in betas:
             # the loop as built (branch_rows): k, overlap steps and rows (1 main + R - 1 branches) from
@@ -185,17 +238,22 @@ def main() -> None:
             # the loop as built (fork graph, verify queued first) and two variants side by side:
             # the eager fork (before session 12) and the draft's work queued before the verify
             if R not in exact:  # a model with exactly R cache rows (bench.gpu_branch_timeline: see RESULTS section 2)
-                exact[R] = BranchingDraft(fast_draft("cuda:1", "bf16", rows=R), R, propose)
+                exact[R] = BranchingDraft(fast_draft("cuda:1", bw, rows=R), R, propose)
             drafts[R] = exact[R]
-            variants = [("branching", True, False), ("branching, eager fork", False, False)]
-            if args.both_orders:
+            R_costs = PassCosts(t_verify=t_ver, t_draft=t_rows[R])
+
+            def model(a: float, hit: float, L: int = L) -> float:  # the row's ms per token at measured rates
+                return overlapped_ms_per_token(a, k, L, R_costs, branch_hit=hit, branch_rows=R - 1)
+
+            variants = [] if args.device_verdict_only else [("branching", True, False), ("branching, eager fork", False, False)]
+            if args.both_orders and not args.device_verdict_only:
                 variants.append(("branching, draft first", True, True))
             for mode, fork_graph, draft_first in variants:
-                propose.reseed(alpha, beta, seed=7)
                 drafts[R].fork_graph = fork_graph
                 go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L, draft_first=draft_first)  # noqa: E731
-                tok_s, (out, stats) = measure(go, n)
-                record(mode, "bf16", alpha, beta, k, L, tok_s, out, stats, ms)
+                tok_s, (out, stats), same = measure_seeds(go, lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
+                record(mode, bw, alpha, beta, k, L, tok_s, out, stats, ms, same, model)
+                propose.reseed(alpha, beta, seed=7)
                 rows[-1]["rows"] = R
                 rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
                 log(f"  per pass: {rows[-1]['busy']}")
@@ -206,9 +264,11 @@ def main() -> None:
             L_dev = min(L, k + 1)
             for mode, compiled in (("branching, device verdict", True), ("branching, device verdict, eager ops", False)):
                 device_loop = BranchingPassGraphs(ft, drafts[R], k, L_dev, compile_control=compiled)
-                propose.reseed(alpha, beta, seed=7)  # capturing the draft's pass drew coins
-                tok_s, (out, stats) = measure(lambda: device_loop.generate(prompt, n), n)
-                record(mode, "bf16", alpha, beta, k, L_dev, tok_s, out, stats, ms)
+                # (reseeded after capture: capturing the draft's pass drew coins)
+                tok_s, (out, stats), same = measure_seeds(functools.partial(device_loop.generate, prompt, n),
+                                                          lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
+                record(mode, bw, alpha, beta, k, L_dev, tok_s, out, stats, ms, same,
+                       lambda a, hit: model(a, hit, L_dev))
                 rows[-1]["rows"] = R  # (its GPUs' time per pass: bench.gpu_branch_timeline)
                 del device_loop
     res["rows"] = rows
@@ -219,12 +279,13 @@ def main() -> None:
     print(f"\n{res['card']} x{res['gpus']}, {n} new tokens after a {P}-token prompt, batch 1, greedy; "
           f"plain 8B {plain_tok_s:.1f} tok/s")
     print(f"{'mode':36} {'draft':5} {'α':>4} {'β':>5} {'k':>2} {'L':>2} {'R':>2} {'tok/s':>7} {'vs plain':>8} {'pred.':>6} "
-          f"{'/ seq bf16':>10} {'/ seq int8':>10} {'hits':>9} same")
+          f"{'α̂':>5} {'pred@α̂':>6} {'/ seq bf16':>10} {'/ seq int8':>10} {'hits':>9} same")
     for r in rows:
         beta = "-" if r["beta"] is None else f"{r['beta']:.2f}"
         print(f"{r['mode']:36} {r['draft_weights']:5} {r['alpha']:4.1f} {beta:>5} {r['k']:2d} {r['overlap_steps']:2d} "
               f"{r.get('rows', 1):2d} "
               f"{r['tok_s']:7.1f} {r['speedup_vs_plain']:8.2f} {r['predicted_speedup']:6.2f} "
+              f"{r['per_token_acceptance']:5.3f} {r['predicted_speedup_at_measured']:6.2f} "
               f"{r['tok_s'] / seq['bf16', r['alpha']]:10.2f} {r['tok_s'] / seq['int8', r['alpha']]:10.2f} "
               f"{r['branch_hits']:4d}/{r['branch_tries']:<4d} {r['identical_to_plain']}")
 
