@@ -1,7 +1,8 @@
 """Overlapped drafting with runner-up branches against the sequential and one-chain overlapped loops.
 
     python3 -m bench.gpu_branches [--alphas 0.5,0.7,0.9] [--betas 0.41,0.52] [--device-verdict-only]
-        [--branch-weights int8|bf16] [--decode-attention triton|matmul] [--out bench/out/gpu-branches.json]
+        [--branch-weights int8|bf16] [--decode-attention triton|matmul] [--branch-rows R,R] [--seeds N]
+        [--out bench/out/gpu-branches.json]
 
 Needs two GPUs of one host: the target (Llama-3.1-8B shaped, random bf16 weights) on cuda:0, the
 overlapped drafts (Llama-3.2-1B shaped) on cuda:1; the sequential drafts run on cuda:0 beside the
@@ -231,28 +232,25 @@ def main() -> None:
     exact: dict[int, BranchingDraft] = {}
     log(f"{bw} draft step by rows, {args.decode_attention} attention (ms): "
         f"{ {r: round(t, 3) for r, t in t_rows.items()} }")
+
+    def branch_ms(a: float, hit: float, k: int, L: int, R: int) -> float:
+        """The loop as built (branch_rows), modelled ms per token: the draft step priced at its R-row cost."""
+        return overlapped_ms_per_token(a, k, L, PassCosts(t_verify=t_ver, t_draft=t_rows[R]),
+                                       branch_hit=hit, branch_rows=R - 1)
+
+    shapes = [(k, L, R) for k in range(1, max_k + 1) for L in range(1, k + 3) for R in range(2, k + 3)]
     for alpha in alphas:
         for beta in betas:
-            # the loop as built (branch_rows): k, overlap steps and rows (1 main + R - 1 branches) from
-            # this run's costs, the draft step priced at its R-row cost
-            def modelled(k: int, L: int, R: int) -> float:
-                return overlapped_ms_per_token(alpha, k, L, PassCosts(t_verify=t_ver, t_draft=t_rows[R]),
-                                               branch_hit=beta, branch_rows=R - 1)
-            shapes = [(k, L, R) for k in range(1, max_k + 1) for L in range(1, k + 3) for R in range(2, k + 3)]
-            # the best (k, L, R) overall, or (--branch-rows) the best k and L at each R asked for
-            configs = ([min((modelled(*c), *c) for c in shapes)] if not branch_rows else
-                       [min((modelled(*c), *c) for c in shapes if c[2] == R) for R in branch_rows])
+            # k, overlap steps and rows (1 main + R - 1 branches) from this run's costs: the best (k, L, R)
+            # overall, or (--branch-rows) the best k and L at each R asked for
+            configs = ([min((branch_ms(alpha, beta, *c), *c) for c in shapes)] if not branch_rows else
+                       [min((branch_ms(alpha, beta, *c), *c) for c in shapes if c[2] == R) for R in branch_rows])
             for ms, k, L, R in configs:
                 # the loop as built (fork graph, verify queued first) and two variants side by side:
                 # the eager fork (before session 12) and the draft's work queued before the verify
                 if R not in exact:  # a model with exactly R cache rows (bench.gpu_branch_timeline: see RESULTS section 2)
                     exact[R] = BranchingDraft(fast_draft("cuda:1", bw, rows=R), R, propose)
                 drafts[R] = exact[R]
-                R_costs = PassCosts(t_verify=t_ver, t_draft=t_rows[R])
-
-                def model(a: float, hit: float, L: int = L) -> float:  # the row's ms per token at measured rates
-                    return overlapped_ms_per_token(a, k, L, R_costs, branch_hit=hit, branch_rows=R - 1)
-
                 variants = [] if args.device_verdict_only else [("branching", True, False), ("branching, eager fork", False, False)]
                 if args.both_orders and not args.device_verdict_only:
                     variants.append(("branching, draft first", True, True))
@@ -260,7 +258,8 @@ def main() -> None:
                     drafts[R].fork_graph = fork_graph
                     go = lambda: branching_generate(ft, drafts[R], prompt, n, k, L, draft_first=draft_first)  # noqa: E731
                     tok_s, (out, stats), same = measure_seeds(go, lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
-                    record(mode, bw, alpha, beta, k, L, tok_s, out, stats, ms, same, model)
+                    record(mode, bw, alpha, beta, k, L, tok_s, out, stats, ms, same,
+                           lambda a, hit: branch_ms(a, hit, k, L, R))
                     propose.reseed(alpha, beta, seed=7)
                     rows[-1]["rows"] = R
                     rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
@@ -276,7 +275,7 @@ def main() -> None:
                     tok_s, (out, stats), same = measure_seeds(functools.partial(device_loop.generate, prompt, n),
                                                               lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
                     record(mode, bw, alpha, beta, k, L_dev, tok_s, out, stats, ms, same,
-                           lambda a, hit: model(a, hit, L_dev))
+                           lambda a, hit: branch_ms(a, hit, k, L_dev, R))
                     rows[-1]["rows"] = R  # (its GPUs' time per pass: bench.gpu_branch_timeline)
                     del device_loop
     res["rows"] = rows
