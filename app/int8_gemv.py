@@ -13,6 +13,18 @@ second kernel: the same weight stripe per program, multiplied into all rows as a
 blocks) or with tl.dot on 16 padded rows (BLOCK_N >= 16). Inductor's written-out form made an int8
 draft step with 8 rows 3x its one-row cost (bench/RESULTS.md section 2, the widths table), which
 ruled the int8 draft out of branching.
+
+Split-K (`_int8_split_k_kernel`): the 1B draft's small matrices (wo 2048x2048, wqkv 2048->3072, w_down
+8192->2048) have so few output columns that the few-row kernel's tl.dot blocks (BLOCK_N >= 16) give
+96-128 programs for 132 SMs; they streamed their weights at ~1 TB/s (bench/RESULTS.md section 2, session
+19). A split-K config (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, form) adds a second grid axis over K, each
+program summing K / SPLIT_K of the columns in fp32. Two forms of the final sum: "atomic" adds the
+partials into a per-weight fp32 workspace with tl.atomic_add, and the program that finishes a column
+block last (a per-block counter) reads the sums back while zeroing them, scales and writes y, then
+resets its counter: one kernel, and the workspace is zero again after every launch, so a CUDA graph
+needs no zero_ kernel. The sum's order varies from launch to launch (fp32 rounding, then bf16).
+"reduce" writes the partials to a `[SPLIT_K, M, N]` buffer and a second small kernel sums them in a
+fixed order: deterministic, one more launch.
 """
 
 from __future__ import annotations
@@ -85,7 +97,64 @@ if AVAILABLE:
     _int8_rows_autotuned = triton.autotune(configs=_ROWS_CONFIGS, key=["N", "K", "M"])(
         triton.heuristics({"BLOCK_M": lambda a: rows_block(a["M"], a["BLOCK_N"])})(_int8_rows_body))
 
+    @triton.jit
+    def _int8_split_k_kernel(x_ptr, q_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                             ATOMIC: tl.constexpr):
+        # x [M, K], q [N, K] int8, s [N] -> y [M, N] = (x @ q.T) * s; program (pid_n, pid_k) sums the
+        # K / SPLIT_K columns [pid_k * K / SPLIT_K, ...) of BLOCK_N output columns. The host checks
+        # K % (SPLIT_K * BLOCK_K) == 0, so K needs no mask. M, N, K are runtime values (not constexpr,
+        # unlike the kernels above) so that one compile per config serves every shape and row count.
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        rm = tl.arange(0, BLOCK_M)  # [BLOCK_M], rows past M masked
+        n_ok, m_ok = rn < N, rm < M
+        k_len = K // SPLIT_K
+        k_begin = pid_k * k_len
+        if BLOCK_N >= 16:  # tensor cores on 16 padded rows, as _int8_rows_body
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:  # thin blocks (1-2 rows): products summed over K once, after the loop
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_begin, k_begin + k_len, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            w = tl.load(q_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K]
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+            if BLOCK_N >= 16:
+                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))  # [BLOCK_M, BLOCK_N]
+            else:
+                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if BLOCK_N < 16:
+            acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        offs = rm[:, None] * N + rn[None, :]  # [BLOCK_M, BLOCK_N] into a row-major [M, N]
+        if ATOMIC:  # ws [MAX_ROWS, N] fp32, zero between launches; cnt [>= cdiv(N, BLOCK_N)] int32, zero too
+            tl.atomic_add(ws_ptr + offs, acc, mask=out_ok, sem="relaxed")
+            # every thread's adds before the counter's release (one thread does a scalar atomic): the
+            # CTA barrier, then acq_rel at GPU scope, the split-K semaphore pattern of CUTLASS
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")  # programs finished before
+            last = done == SPLIT_K - 1  # this program is the column block's last: the sums are complete
+            total = tl.atomic_xchg(ws_ptr + offs, tl.zeros_like(acc), mask=out_ok & last, sem="relaxed")
+            s = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
+            tl.store(y_ptr + offs, (total * s[None, :]).to(y_ptr.dtype.element_ty), mask=out_ok & last)
+            tl.store(cnt_ptr + pid_n, 0, mask=last)  # every program of the block has counted: reset
+        else:  # ws [SPLIT_K, M, N] fp32: this program's partial sums, _split_k_reduce adds them up
+            tl.store(ws_ptr + pid_k * M * N + offs, acc, mask=out_ok)
+
+    @triton.jit
+    def _split_k_reduce(ws_ptr, s_ptr, y_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        # ws [SPLIT_K, M, N] fp32, s [N] -> y [M, N] = sum over SPLIT_K * s, flat over M * N, fixed order
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        ok = offs < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in tl.static_range(SPLIT_K):
+            acc += tl.load(ws_ptr + i * M * N + offs, mask=ok, other=0.0)
+        s = tl.load(s_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (acc * s).to(y_ptr.dtype.element_ty), mask=ok)
+
 MAX_ROWS = 8  # the few-row kernel's limit; more rows (a prefill) are a GEMM's work
+# (BLOCK_N, BLOCK_K, num_warps), or split-K (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "atomic" | "reduce")
+BlockConfig = tuple[int, int, int] | tuple[int, int, int, int, str]
 
 
 def rows_block(m: int, block_n: int) -> int:
@@ -101,7 +170,7 @@ def rows_block(m: int, block_n: int) -> int:
 # bench/RESULTS.md section 2, session 17). The defaults below are the best of 14 configs timed with cold
 # weights on an H200 (`python3 -m bench.gpu_draft_step --cold-table`) for the Llama-3.2-1B shapes; the
 # kernel's result does not depend on the config, only its speed. Another card: re-measure and `pin`.
-H200_1B_COLD: dict[tuple[int, int, int], tuple[int, int, int]] = {
+H200_1B_COLD: dict[tuple[int, int, int], BlockConfig] = {
     (3072, 2048, 1): (4, 512, 4), (3072, 2048, 2): (4, 1024, 4),  # wqkv
     (2048, 2048, 1): (2, 1024, 4), (2048, 2048, 2): (2, 1024, 4),  # wo
     (16384, 2048, 1): (4, 1024, 4), (16384, 2048, 2): (8, 1024, 4),  # w_gate_up
@@ -113,26 +182,82 @@ H200_1B_COLD: dict[tuple[int, int, int], tuple[int, int, int]] = {
     (16384, 2048, 4): (64, 128, 4), (16384, 2048, 5): (32, 128, 4), (16384, 2048, 6): (32, 128, 4),
     **{(2048, 8192, m): (16, 256, 4) for m in (4, 5, 6)}, **{(128256, 2048, m): (64, 128, 4) for m in (4, 5, 6)},
 }
-PINNED: dict[tuple[int, int, int], tuple[int, int, int]] = dict(H200_1B_COLD)
+# Split-K configs (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, form), chosen against the configs above with cold
+# weights (`python3 -m bench.gpu_split_k`); pinned only where they beat them. Filled in from the H200 runs.
+H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {}
+PINNED: dict[tuple[int, int, int], BlockConfig] = {**H200_1B_COLD, **H200_1B_SPLIT_K}
+SPLIT_K_ENABLED = True  # False: every split-K pin falls back to H200_1B_COLD's config (benches' "before")
 
 
-def pin(configs: dict[tuple[int, int, int], tuple[int, int, int]]) -> None:
+def pin(configs: dict[tuple[int, int, int], BlockConfig]) -> None:
     """Use these block configs for their (N, K, M) shapes from now on (no autotuning there)."""
     PINNED.update(configs)
 
 
-def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
-           config: tuple[int, int, int] | None = None) -> None:
-    """One kernel launch writing y `[M, N]`: with `config` (BLOCK_N, BLOCK_K, num_warps), else the
-    pinned one for the shape, else autotuned."""
+def use_split_k(on: bool) -> None:
+    """Turn the pinned split-K configs on or off (off: the shape's unsplit H200_1B_COLD config, or autotuning)."""
+    global SPLIT_K_ENABLED
+    SPLIT_K_ENABLED = on
+
+
+def pinned_config(n: int, k: int, m: int) -> BlockConfig | None:
+    config = PINNED.get((n, k, m))
+    if config is not None and len(config) > 3 and not SPLIT_K_ENABLED:
+        config = H200_1B_COLD.get((n, k, m))
+    return config
+
+
+# (device index, weight data_ptr, N) -> (fp32 sums [MAX_ROWS, N], int32 counters [N]), both zero between
+# launches. Per weight matrix, so that two launches can only share one if they run the same weights at once
+# on two streams (nothing here does: a model's forward runs on one stream).
+_WORKSPACES: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (q.device.index or 0, q.data_ptr(), q.shape[0])
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if torch.cuda.is_current_stream_capturing():  # zeros made in a capture are only zeroed at replay
+            raise RuntimeError("int8 split-K: run each weight once eagerly before capturing it in a CUDA graph")
+        n = q.shape[0]
+        ws = (torch.zeros((MAX_ROWS, n), dtype=torch.float32, device=q.device),
+              torch.zeros(n, dtype=torch.int32, device=q.device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def _launch_split_k(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, block_n: int,
+                    block_k: int, warps: int, split: int, form: str) -> None:
     M, K = x.shape
     N = q.shape[0]
-    config = config or PINNED.get((N, K, M))
+    if K % (split * block_k) or form not in ("atomic", "reduce"):
+        raise ValueError(f"split-K config {(block_n, block_k, warps, split, form)} does not fit K={K}")
+    grid = (triton.cdiv(N, block_n), split)
+    meta = dict(BLOCK_M=rows_block(M, block_n), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps)
+    if form == "atomic":
+        ws, counts = _workspace(q)
+        _int8_split_k_kernel[grid](x, q, scale, y, ws, counts, M, N, K, ATOMIC=True, **meta)
+    else:
+        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
+        _int8_split_k_kernel[grid](x, q, scale, y, part, part, M, N, K, ATOMIC=False, **meta)
+        _split_k_reduce[(triton.cdiv(M * N, 1024),)](part, scale, y, M, N, SPLIT_K=split, BLOCK=1024, num_warps=4)
+
+
+def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
+           config: BlockConfig | None = None) -> None:
+    """Kernel launch(es) writing y `[M, N]`: with `config` (BLOCK_N, BLOCK_K, num_warps[, SPLIT_K, form]),
+    else the pinned one for the shape, else autotuned (unsplit)."""
+    M, K = x.shape
+    N = q.shape[0]
+    config = config or pinned_config(N, K, M)
     if config is None:
         kernel = _int8_gemv_kernel if M <= 2 else _int8_rows_autotuned
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, q, scale, y, N, K, M)
         return
-    block_n, block_k, warps = config
+    if len(config) > 3 and config[3] > 1:
+        _launch_split_k(x, q, scale, y, *config)
+        return
+    block_n, block_k, warps = config[:3]
     grid = (triton.cdiv(N, block_n),)
     if M <= 2:
         _int8_gemv_kernel.fn[grid](x, q, scale, y, N, K, M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)

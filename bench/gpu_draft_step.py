@@ -89,7 +89,8 @@ def load_pins(path: str) -> None:
     from app import int8_gemv
 
     with open(path) as f:
-        int8_gemv.pin({(n, k, m): (bn, bk, w) for n, k, m, bn, bk, w in json.load(f)["pins"]})
+        # rows of (N, K, M, BLOCK_N, BLOCK_K, num_warps[, SPLIT_K, form]): --cold-table's, or bench.gpu_split_k's
+        int8_gemv.pin({(n, k, m): tuple(config) for n, k, m, *config in json.load(f)["pins"]})
 
 
 def kernel_profile(fd, steps: int = 20, rows: int = 1) -> dict[str, float]:
@@ -117,19 +118,22 @@ def kernel_profile(fd, steps: int = 20, rows: int = 1) -> dict[str, float]:
 def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
     """The 1B draft's one-token forward over R rows (as the branching draft steps its rows), per
     variant (bf16; int8 with the few-row kernel `int8-triton` or Inductor's `int8-inductor`; a `:in-place`
-    suffix reads the caches in place for 2+ rows, app/rows_attention.py): one
+    suffix reads the caches in place for 2+ rows, app/rows_attention.py; `:no-split-k` launches the unsplit
+    configs where split-K ones are pinned, app/int8_gemv.py): one
     CUDA graph's time per forward and its kernels' GPU time by name (eager, torch.profiler)."""
+    from app import int8_gemv
     from app.fast_llama import FastLlama
     from bench.gpu import random_llama
     from bench.gpu_int8_gemv import micros
 
     hf, out = random_llama("1b"), []
     for variant in variants:
-        gemms, _, attn = variant.partition(":")
+        gemms, *flags = variant.split(":")
         weights, _, few = gemms.partition("-")
+        int8_gemv.use_split_k("no-split-k" not in flags)  # read at each launch, i.e. when a graph is captured
         fd = FastLlama(hf, max_batch=max(rows), max_len=512, attention="grouped", weights=weights,
                        compile_elementwise=True, int8_few_rows=few or "triton",
-                       decode_attention="triton" if attn == "in-place" else "matmul")
+                       decode_attention="triton" if "in-place" in flags else "matmul")
         for r in rows:
             tok = torch.zeros((r, 1), dtype=torch.long, device="cuda")
             pos = torch.full((r, 1), 300, dtype=torch.long, device="cuda")
@@ -138,10 +142,11 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
                 kernels = kernel_profile(fd, rows=r)
             row = {"variant": variant, "rows": r, "forward_us": round(us, 1), "kernels_us": kernels}
             out.append(row)
-            print(f"{variant:14} R {r}: forward {us:7.1f} us (graph); eager kernels sum {sum(kernels.values()):7.1f} us; "
+            print(f"{variant:30} R {r}: forward {us:7.1f} us (graph); eager kernels sum {sum(kernels.values()):7.1f} us; "
                   f"top: {dict(list(kernels.items())[:6])}", flush=True)
         del fd
         torch.cuda.empty_cache()
+    int8_gemv.use_split_k(True)
     return out
 
 
