@@ -100,7 +100,7 @@ if AVAILABLE:
     @triton.jit
     def _int8_split_k_kernel(x_ptr, q_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                             ATOMIC: tl.constexpr):
+                             ATOMIC: tl.constexpr, SWAP: tl.constexpr = False):
         # x [M, K], q [N, K] int8, s [N] -> y [M, N] = (x @ q.T) * s; program (pid_n, pid_k) sums the
         # K / SPLIT_K columns [pid_k * K / SPLIT_K, ...) of BLOCK_N output columns. The host checks
         # K % (SPLIT_K * BLOCK_K) == 0, so K needs no mask. M, N, K are runtime values (not constexpr,
@@ -111,7 +111,9 @@ if AVAILABLE:
         n_ok, m_ok = rn < N, rm < M
         k_len = K // SPLIT_K
         k_begin = pid_k * k_len
-        if BLOCK_N >= 16:  # tensor cores on 16 padded rows, as _int8_rows_body
+        if SWAP:  # y.T = q @ x.T: the int8 weights as the dot's first operand (wgmma's m >= 64 side)
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        elif BLOCK_N >= 16:  # tensor cores on 16 padded rows, as _int8_rows_body
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:  # thin blocks (1-2 rows): products summed over K once, after the loop
             acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -119,15 +121,22 @@ if AVAILABLE:
             rk = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             w = tl.load(q_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K]
             x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-            if BLOCK_N >= 16:
+            if SWAP:
+                acc_t += tl.dot(w.to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)))  # [BLOCK_N, BLOCK_M]
+            elif BLOCK_N >= 16:
                 acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))  # [BLOCK_M, BLOCK_N]
             else:
                 acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        if BLOCK_N < 16:
+        if SWAP:
+            acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
+        elif BLOCK_N < 16:
             acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
         out_ok = m_ok[:, None] & n_ok[None, :]
         offs = rm[:, None] * N + rn[None, :]  # [BLOCK_M, BLOCK_N] into a row-major [M, N]
-        if ATOMIC:  # ws [MAX_ROWS, N] fp32, zero between launches; cnt [>= cdiv(N, BLOCK_N)] int32, zero too
+        if SPLIT_K == 1:  # nothing to sum across programs (a swapped unsplit config)
+            s = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
+            tl.store(y_ptr + offs, (acc * s[None, :]).to(y_ptr.dtype.element_ty), mask=out_ok)
+        elif ATOMIC:  # ws [MAX_ROWS, N] fp32, zero between launches; cnt [>= cdiv(N, BLOCK_N)] int32, zero too
             tl.atomic_add(ws_ptr + offs, acc, mask=out_ok, sem="relaxed")
             # every thread's adds before the counter's release (one thread does a scalar atomic): the
             # CTA barrier, then acq_rel at GPU scope, the split-K semaphore pattern of CUTLASS
@@ -153,7 +162,8 @@ if AVAILABLE:
         tl.store(y_ptr + offs, (acc * s).to(y_ptr.dtype.element_ty), mask=ok)
 
 MAX_ROWS = 8  # the few-row kernel's limit; more rows (a prefill) are a GEMM's work
-# (BLOCK_N, BLOCK_K, num_warps), or split-K (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "atomic" | "reduce")
+# (BLOCK_N, BLOCK_K, num_warps), or split-K (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "atomic" | "reduce", either
+# with "-swap" for the weights as the dot's first operand; SPLIT_K 1 with "-swap": the swapped dot unsplit)
 BlockConfig = tuple[int, int, int] | tuple[int, int, int, int, str]
 
 
@@ -230,11 +240,15 @@ def _launch_split_k(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: to
                     block_k: int, warps: int, split: int, form: str) -> None:
     M, K = x.shape
     N = q.shape[0]
-    if K % (split * block_k) or form not in ("atomic", "reduce"):
+    kind, _, swap = form.partition("-")  # "atomic" | "reduce", "-swap": the weights as the dot's first operand
+    if K % (split * block_k) or kind not in ("atomic", "reduce") or swap not in ("", "swap"):
         raise ValueError(f"split-K config {(block_n, block_k, warps, split, form)} does not fit K={K}")
     grid = (triton.cdiv(N, block_n), split)
-    meta = dict(BLOCK_M=rows_block(M, block_n), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps)
-    if form == "atomic":
+    meta = dict(BLOCK_M=rows_block(M, block_n), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
+                SWAP=bool(swap))
+    if split == 1:
+        _int8_split_k_kernel[grid](x, q, scale, y, y, y, M, N, K, ATOMIC=False, **meta)
+    elif kind == "atomic":
         ws, counts = _workspace(q)
         _int8_split_k_kernel[grid](x, q, scale, y, ws, counts, M, N, K, ATOMIC=True, **meta)
     else:
@@ -254,7 +268,7 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tenso
         kernel = _int8_gemv_kernel if M <= 2 else _int8_rows_autotuned
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, q, scale, y, N, K, M)
         return
-    if len(config) > 3 and config[3] > 1:
+    if len(config) > 3:
         _launch_split_k(x, q, scale, y, *config)
         return
     block_n, block_k, warps = config[:3]

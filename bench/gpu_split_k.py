@@ -1,11 +1,13 @@
 """Split-K configs of the int8 few-row GEMV against the pinned unsplit ones, cold weights (GPU, one card).
 
-    python3 -m bench.gpu_split_k [--rows 1,2,4,5,6] [--shapes wqkv,wo,w_down,w_gate_up] [--json PATH] [--pins-out PATH]
+    python3 -m bench.gpu_split_k [--rows 1,2,4,5,6] [--shapes wqkv,wo,w_down,w_gate_up] [--no-swap]
+        [--json PATH] [--pins-out PATH]
 
 Why: the 1B draft's small matrices give the few-row kernel fewer programs than an H200 has SMs
 (app/int8_gemv.py's docstring). Per 1B weight shape and row count M this times the shape's pinned
 unsplit config (app/int8_gemv.py H200_1B_COLD) and every split-K candidate in both forms ("atomic":
-one kernel, fp32 atomics and a last-program epilogue; "reduce": partials, then a second kernel), each
+one kernel, fp32 atomics and a last-program epilogue; "reduce": partials, then a second kernel; and for
+3+ rows "atomic-swap", the dot turned round so the weights are its first, 64+ wide operand), each
 with the weights cycled through enough copies to outgrow L2, as a decode step streams them
 (bench.gpu_draft_step --cold-table does the same for the unsplit configs). Each candidate's result is
 checked against `(x @ q.to(bf16).T) * scale` first; a wrong one is reported and never pinned. The best
@@ -27,6 +29,16 @@ DOT_CANDIDATES = ([(bn, bk, 4, s) for bn in (16, 32) for bk in (128, 256) for s 
                   + [(64, 128, 4, 2), (64, 128, 4, 4), (32, 256, 8, 2), (32, 256, 8, 4), (16, 512, 8, 2), (16, 512, 8, 4)])
 THIN_CANDIDATES = [(bn, bk, 4, s) for bn, bk in ((2, 512), (4, 256), (4, 512), (8, 256)) for s in (2, 4)]
 FORMS = ("atomic", "reduce")
+# the weights as the dot's first operand (BLOCK_N >= 64, wgmma's m side), the atomic form (SPLIT_K 1: no sum)
+SWAP_CANDIDATES = [(bn, bk, w, s, "atomic-swap") for bn, bk, w in ((64, 128, 4), (64, 256, 4), (128, 64, 4),
+                                                                    (128, 128, 4), (128, 128, 8)) for s in (1, 2, 4, 8)]
+
+
+def candidates(m: int, swap: bool) -> list[tuple]:
+    """The split-K configs (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, form) tried for m rows."""
+    if m <= 2:
+        return [(*c, f) for c in THIN_CANDIDATES for f in FORMS]
+    return [(*c, f) for c in DOT_CANDIDATES for f in FORMS] + (SWAP_CANDIDATES if swap else [])
 
 
 class ColdWeights:
@@ -75,6 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,4,5,6")
     ap.add_argument("--shapes", default="wqkv,wo,w_down,w_gate_up")
+    ap.add_argument("--no-swap", action="store_true", help="leave out the swapped-dot candidates")
     ap.add_argument("--json", default="", help="every timing and check")
     ap.add_argument("--pins-out", default="", help="the winning split-K configs, for bench.gpu_draft_step --pins")
     args = ap.parse_args()
@@ -88,28 +101,29 @@ def main() -> None:
             base = cold.micros(m, base_cfg) if base_cfg else None
             row = {"shape": name, "n": n, "k": k, "m": m, "unsplit_config": base_cfg, "unsplit_us": base,
                    "split_us": {}, "bad": {}}
-            for bn, bk, w, s in (DOT_CANDIDATES if m >= 3 else THIN_CANDIDATES):
+            configs = {}
+            for cfg in candidates(m, not args.no_swap):
+                bn, bk, w, s, form = cfg
                 if k % (s * bk):
                     continue
-                for form in FORMS:
-                    cfg = (bn, bk, w, s, form)
-                    label = f"{bn}x{bk}w{w}s{s}{form[0]}"
-                    err = cold.check(m, cfg)
-                    if not err <= 1e-2:  # bf16 rounding of the output; NaN: a block never written
-                        row["bad"][label] = err
-                        continue
-                    row["split_us"][label] = round(cold.micros(m, cfg), 2)
+                label = f"{bn}x{bk}w{w}s{s}{form}"
+                configs[label] = cfg
+                err = cold.check(m, cfg)
+                if not err <= 1e-2:  # bf16 rounding of the output; NaN: a block never written
+                    row["bad"][label] = err
+                    continue
+                row["split_us"][label] = round(cold.micros(m, cfg), 2)
             best = min(row["split_us"], key=row["split_us"].get) if row["split_us"] else None
             row["best"] = best
             if best is not None and base is not None and row["split_us"][best] < 0.97 * base:
-                cfg = next((bn, bk, w, s, f) for bn, bk, w, s in (DOT_CANDIDATES + THIN_CANDIDATES) for f in FORMS
-                           if f"{bn}x{bk}w{w}s{s}{f[0]}" == best)
-                pins.append([n, k, m, *cfg])
-            best_atomic = min((v for lb, v in row["split_us"].items() if lb.endswith("a")), default=None)
-            best_reduce = min((v for lb, v in row["split_us"].items() if lb.endswith("r")), default=None)
+                pins.append([n, k, m, *configs[best]])
+
+            def best_of(form: str) -> float | None:
+                return min((v for lb, v in row["split_us"].items() if configs[lb][4] == form), default=None)
+            best_atomic, best_reduce, best_swap = best_of("atomic"), best_of("reduce"), best_of("atomic-swap")
             table.append(row)
             print(f"{name:10} M {m}: unsplit {base_cfg} {base if base is None else round(base, 2)} us; best split "
-                  f"{best} {row['split_us'].get(best)} us (best atomic {best_atomic}, best reduce {best_reduce}); "
+                  f"{best} {row['split_us'].get(best)} us (best atomic {best_atomic}, reduce {best_reduce}, swapped {best_swap}); "
                   f"bad {row['bad'] or 'none'}", flush=True)
         del cold
         torch.cuda.empty_cache()

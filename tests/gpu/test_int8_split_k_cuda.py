@@ -1,5 +1,5 @@
 """On CUDA: the split-K form of the int8 few-row GEMV (app/int8_gemv.py) computes `(x @ q.to(bf16).T) * scale`
-for 1-8 rows on the Llama-3.2-1B shapes, in both forms, launch after launch (the atomic form's workspace
+for 1-8 rows on the Llama-3.2-1B shapes, in each form, launch after launch (the atomic form's workspace
 must be zero again after each) and inside a replayed CUDA graph. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ pytestmark = [pytest.mark.gpu,
 SHAPES_1B = [(3072, 2048), (2048, 2048), (2048, 8192), (16384, 2048)]  # wqkv, wo, w_down, w_gate_up
 # a tl.dot block and a thin block (both work for any row count), and a block past N's end (N = 40)
 CONFIGS = [(16, 256, 4, 4), (32, 128, 4, 8), (4, 256, 4, 2)]
+SWAP_CONFIGS = [(64, 128, 4, 4), (128, 64, 4, 1), (128, 128, 8, 2)]  # the swapped dot; SPLIT_K 1: one store
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.float() - ref).abs().max().item() / ref.abs().max().item()
 
 
-@pytest.mark.parametrize("form", ["atomic", "reduce"])
+@pytest.mark.parametrize("form", ["atomic", "reduce", "atomic-swap"])
 @pytest.mark.parametrize("n,k", SHAPES_1B + [(40, 1024)])
 def test_int8_split_k_equals_the_dequantised_matmul(n: int, k: int, form: str) -> None:
     from app.fast_llama import _int8_matmul, quantize_int8
@@ -30,7 +31,7 @@ def test_int8_split_k_equals_the_dequantised_matmul(n: int, k: int, form: str) -
     for m in range(1, 9):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = _int8_matmul(x, qw.q, qw.scale).float()
-        for bn, bk, w, s in CONFIGS:
+        for bn, bk, w, s in (SWAP_CONFIGS if form.endswith("swap") else CONFIGS):
             for _ in range(2):  # the second launch finds the atomic workspace as the first left it
                 y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 launch(x, qw.q, qw.scale, y, (bn, bk, w, s, form))
@@ -70,7 +71,7 @@ def test_int8_split_k_pins_and_the_switch() -> None:
     assert {**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K}.items() <= int8_gemv.PINNED.items()
     torch.manual_seed(0)
     for (n, k, m), config in int8_gemv.H200_1B_SPLIT_K.items():
-        assert len(config) == 5 and config[3] > 1 and k % (config[3] * config[1]) == 0
+        assert len(config) == 5 and k % (config[3] * config[1]) == 0
         qw = quantize_int8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = _int8_matmul(x, qw.q, qw.scale).float()
