@@ -227,7 +227,8 @@ class SpecEngine:
             # no proposals past max_tokens (the target adds one) or past the context
             room = min(seq.remaining - 1, self.runner.max_context - len(seq.token_ids) - 1)
             caps.append(max(0, min(seq.k, self.max_k, room)))
-        ks = self.plan_k(batch, caps) if self.plan_k is not None and any(caps) else caps
+        # the planner sees every step, all-plain ones too (the target server measures those as a mode)
+        ks = self.plan_k(batch, caps) if self.plan_k is not None else caps
         step_k: dict[str, int] = {}
         for seq, cap, k in zip(batch, caps, ks):
             step_k[seq.seq_id] = seq.step_k = max(0, min(k, cap))

@@ -23,7 +23,9 @@ from app.engine import Overloaded, SpecEngine
 from app.engine_loop import EngineLoop, stream_updates
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import ContextOverflow, ModelRunner
-from app.policy import AcceptanceTracker, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer, StepPlan
+from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
+                        StepMode, StepPlan)
+from app.policy.mode_arbiter import forced_mode, mode_ks
 from app.proposers import NgramProposer, Proposer
 from deployments.metrics_ray import ServeMetrics
 
@@ -145,6 +147,10 @@ class TargetServer:
         self.explorer = (StepExplorer(c.explore_every_steps, c.exploration_k, c.explore_max_every_steps)
                          if c.explore_every_steps else None)
         self.hold = PlainHold(c.plain_hold_steps)
+        self.arbiter = ModeArbiter(c.mode_arbiter) if c.mode_arbiter.enabled else None
+        self._step_mode: tuple[StepMode, bool] | None = None  # this step's (mode, chosen by the arbiter), set in _plan_k
+        self._last_step_end: float | None = None
+        self._mode_steps = 0
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self._planned: tuple[StepPlan, list[StepCandidate]] | None = None  # this step's plan and batch, set in _plan_k
@@ -153,6 +159,20 @@ class TargetServer:
 
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
     def _plan_k(self, batch, caps: list[int]) -> list[int]:
+        if self.arbiter is not None:  # the step's mode by measured goodput (app/policy/mode_arbiter.py)
+            adaptive = [seq.adaptive and cap > 0 for seq, cap in zip(batch, caps)]
+            default_k = self.policy.config.default_k
+            if not any(adaptive):
+                mode = forced_mode([seq.k for seq in batch], [seq.adaptive for seq in batch], default_k)
+                self._step_mode = (mode, False) if mode is not None else None
+                return caps
+            mode = self.arbiter.mode(len(batch))
+            self._step_mode = (mode, True)
+            ks = mode_ks(mode, caps, adaptive, default_k)
+            if ks is not None:
+                return ks
+        if not any(caps):
+            return caps
         ids = tuple(seq.seq_id for seq in batch)
         if (self.explorer is None or self.explorer.explore_k(len(ids)) is None) and self.hold.holds(ids):
             if self.explorer is not None:
@@ -181,6 +201,19 @@ class TargetServer:
 
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         times = engine.last_times
+        now = time.perf_counter()
+        if self._step_mode is not None and times.batch_size and self.arbiter is not None:
+            # the step's wall time: the engine step without newcomers' prefill, plus the loop's own time
+            # since the last step (streaming, metrics) unless the engine sat idle in between
+            gap = now - self._last_step_end - seconds if self._last_step_end is not None else 0.0
+            wall = seconds - times.prefill + (gap if 0.0 <= gap <= max(0.05, seconds) else 0.0)
+            tokens = sum(len(u.token_ids) for u in updates[:times.batch_size])  # the batch's updates come first
+            mode, chosen = self._step_mode
+            self.arbiter.observe(times.batch_size, mode, tokens, wall, chosen=chosen)
+            self._mode_steps += 1
+            if self._mode_steps % 2000 == 0:
+                log.info("step modes by batch bucket %s", self.arbiter.snapshot())
+        self._step_mode, self._last_step_end = None, now
         if self._planned is not None:
             plan, candidates = self._planned
             self._planned = None
@@ -255,10 +288,12 @@ class TargetServer:
                 self.loop.cancel(request.request_id)
 
     def policy_state(self) -> dict:
-        """The step planner's calibration: realized / predicted step time per 'b{bucket}/k{depth}'."""
+        """The step planner's calibration (realized / predicted step time per 'b{bucket}/k{depth}') and the
+        mode arbiter's measured goodput per batch bucket."""
         cal = self.policy.calibration
         return {"calibration": cal.snapshot() if cal is not None else {},
-                "calibration_probes": cal.probes if cal is not None else 0}
+                "calibration_probes": cal.probes if cal is not None else 0,
+                "step_modes": self.arbiter.snapshot() if self.arbiter is not None else {}}
 
     def load(self) -> dict:
         """The load figures with the last published measurements (does not close the window)."""

@@ -23,6 +23,7 @@ from .decision import (
     SpeculationDecision,
     SpeculationPolicy,
 )
+from .mode_arbiter import MODES, ModeArbiter, ModeArbiterConfig, StepMode, batch_bucket
 from .step_plan import PlainHold, StepCandidate, StepExplorer, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor, PromptClass, classify_prompt
 
@@ -31,6 +32,11 @@ __all__ = [
     "CostCurve",
     "LengthPredictor",
     "LoadSnapshot",
+    "MODES",
+    "ModeArbiter",
+    "ModeArbiterConfig",
+    "StepMode",
+    "batch_bucket",
     "PolicyConfig",
     "PolicyRequest",
     "PromptClass",

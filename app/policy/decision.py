@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost_model import StepCosts, StepCostsConfig, best_k, best_spec_k, speedup
 from .calibration import StepTimeCalibration
+from .mode_arbiter import ModeArbiterConfig
 from .step_plan import StepCandidate, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor
 
@@ -157,6 +158,10 @@ class PolicyConfig(_Strict):
     length_quantile: float = Field(0.9, gt=0.0, lt=1.0)
     length_min_samples: int = Field(8, ge=1)
     costs: StepCostsConfig = Field(default_factory=StepCostsConfig, description="priors and host costs of the cost model")
+    mode_arbiter: ModeArbiterConfig = Field(
+        default_factory=ModeArbiterConfig,
+        description="per batch size, run adaptive sequences in the step mode (planner, all 'on' at default_k, all "
+                    "'off') whose goodput the engine measured best, re-probing the others (app/policy/mode_arbiter.py)")
     # off by default: in the CPU concurrency sweeps (bench/RESULTS.md section 7, runs G and H) the
     # calibrated planner was not closer to the better fixed policy than the uncalibrated one (run F)
     calibration_half_life_steps: float = Field(

@@ -74,7 +74,11 @@ OVERRIDES = {
     # room for the whole ramp in one batch: the policy's view of load is the batch, not the queue
     "engine": {"limits": {"max_num_seqs": 32, "max_queue": 32}},
     # step-time calibration is off by default; on here, so the replica's feedback path is exercised
-    "policy": {"calibration_half_life_steps": 64},
+    # The step-mode arbiter is off here: it would probe every held stream at the default k for a
+    # few dozen steps (app/policy/mode_arbiter.py), and this test checks that the *planner* keeps
+    # high_load requests plain. The arbiter has its own tests (tests/unit/test_mode_arbiter.py) and
+    # runs in every other serve test.
+    "policy": {"calibration_half_life_steps": 64, "mode_arbiter": {"enabled": False}},
     "target_deployment": {"num_cpus": 0.5},
     "draft_deployment": {"num_cpus": 0.25},
     "router_deployment": {"num_cpus": 0.25},

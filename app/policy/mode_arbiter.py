@@ -1,0 +1,220 @@
+"""Which step mode a batch runs in, chosen by measured goodput: the planner, or a fixed choice.
+
+The step planner (step_plan.py) is a model: it prices a step from measured parts and picks the
+plan with the best predicted tokens per second. Its parts can each be right and the sum still be
+wrong on a given host, and the error moves with the host's speed. Measured on the 2-core CPU app
+(bench/RESULTS.md section 7, runs AE-AL): in seven full sweeps the planner came within 3 % of the
+better fixed policy at every concurrency in two; in the others it under-drafted at 4-8 streams
+(0.84-0.89 of 'on' on a slow host), drafted too shallow at 32, or drafted where 'off' won at 2.
+Tuning the model's margin and calibrating its step time moved the misses around, not away.
+
+The issue asks for a router that is *never worse than the best fixed choice*. That is a bandit
+over arms, not a better model: so the engine keeps, per batch-size bucket, the goodput it really
+measured (output tokens of the batch / wall seconds of the step, newcomers' prefill excluded) in
+each of three modes, and runs the batch's adaptive sequences in the best one:
+
+- `plan`: the step planner decides (its exploration, hold and depth choice included);
+- `on`:   every adaptive sequence drafts at the policy's default k (what forced 'on' does);
+- `off`:  every adaptive sequence decodes plainly (what forced 'off' does).
+
+Each arm that is not the leader is re-measured by a short probe (`probe_steps` steps) once the
+leader has run `interval` steps since that arm was last measured. The interval starts at
+`base_interval_steps` and doubles, up to `max_interval_steps`, each time a probe finds the arm
+clearly worse (under `far_ratio` of the leader), so an arm that keeps losing costs little: at the
+cap one probe of 24 steps per 1536 (1.6 % of steps) at whatever it loses. A probe that finds it
+close or better puts the interval back at its base. The first `settle_steps` steps after the
+mode changes are not measured: they pay the switch (the draft's catch-up prefill of every token
+decoded plainly since a sequence last drafted), which a mode that stays does not pay.
+
+Steps whose batch is all forced the same way (every sequence 'on' at the default k, or every
+sequence 'off') are measurements of that arm too, and count as its probe: a live service learns
+from the fixed policies' own traffic.
+
+Pure and single-threaded: the engine thread calls `mode` before planning a step and `observe`
+after it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+StepMode = Literal["plan", "on", "off"]
+MODES: tuple[StepMode, ...] = ("plan", "on", "off")
+
+
+class ModeArbiterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="choose the step mode by measured goodput; False: the planner always")
+    probe_steps: int = Field(24, ge=1, description="steps a probe of a non-leading mode runs")
+    settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
+    base_interval_steps: int = Field(96, ge=1, description="leader steps before a mode is probed again")
+    max_interval_steps: int = Field(1536, ge=1, description="the interval's cap after repeated clear losses")
+    far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a probe under this share of the leader doubles the interval")
+    switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only above this share of the leader")
+    half_life_steps: float = Field(256.0, gt=0.0, description="measured steps over which a mode's goodput is averaged")
+
+    @model_validator(mode="after")
+    def _interval_grows(self) -> "ModeArbiterConfig":
+        if self.max_interval_steps < self.base_interval_steps:
+            raise ValueError(f"mode_arbiter.max_interval_steps={self.max_interval_steps} < base_interval_steps="
+                             f"{self.base_interval_steps}: the probe interval only grows; set it >= the base")
+        return self
+
+
+def batch_bucket(batch_size: int) -> int:
+    """1, 2, then powers of two: a closed-loop batch wavers by a sequence or two (c or c - 1 streams)."""
+    return 1 if batch_size <= 1 else 2 ** math.ceil(math.log2(batch_size))
+
+
+@dataclass
+class _ModeStats:
+    tokens: float = 0.0  # decayed sum of output tokens over measured steps
+    seconds: float = 0.0  # decayed sum of their wall seconds
+    steps: int = 0  # measured steps, undecayed
+    interval: int = 0  # leader steps before the next probe (set from the config on creation)
+    since: int = 0  # leader steps since it was last measured
+    pending: bool = False  # measured since the last judgement (see ModeArbiter._judge)
+
+    @property
+    def goodput(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Bucket:
+    stats: dict[str, _ModeStats]
+    leader: StepMode = "plan"
+    current: StepMode = "plan"  # the mode of the running spell
+    probe_left: int = 0  # steps left of a probe spell (0: exploiting the leader)
+    settle_left: int = 0
+    switches: int = 0
+    probes: int = 0
+    steps_by_mode: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
+
+
+class ModeArbiter:
+    def __init__(self, config: ModeArbiterConfig | None = None) -> None:
+        self.config = config or ModeArbiterConfig()
+        self._lambda = 0.5 ** (1.0 / self.config.half_life_steps)
+        self._buckets: dict[int, _Bucket] = {}
+        self._last_mode: StepMode | None = None  # the mode of the engine's last step, any bucket
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = batch_bucket(batch_size)
+        b = self._buckets.get(key)
+        if b is None:
+            base = self.config.base_interval_steps
+            b = self._buckets[key] = _Bucket({m: _ModeStats(interval=base) for m in MODES})
+        return b
+
+    def mode(self, batch_size: int) -> StepMode:
+        """The mode this step of a batch of `batch_size` (with adaptive sequences) runs in."""
+        b = self._bucket(batch_size)
+        if b.probe_left > 0:
+            b.probe_left -= 1
+            return b.current
+        self._judge(b)
+        unmeasured = [m for m in MODES if b.stats[m].steps == 0]
+        if unmeasured:  # every mode is measured once before any is trusted, the planner first
+            return self._start(b, unmeasured[0])
+        due = [m for m in MODES if m != b.leader and b.stats[m].since >= b.stats[m].interval]
+        if due:  # the longest-waiting first
+            return self._start(b, max(due, key=lambda m: b.stats[m].since / b.stats[m].interval))
+        b.current = b.leader
+        return b.leader
+
+    def _start(self, b: _Bucket, mode: StepMode) -> StepMode:
+        b.current, b.probe_left = mode, self.config.probe_steps - 1
+        b.probes += 1
+        return mode
+
+    def _judge(self, b: _Bucket) -> None:
+        """After a probe (or forced steps) measured a non-leading mode: when it was clearly worse
+        than the leader, probe it half as often; when close or better, at the base interval."""
+        lead = b.stats[b.leader]
+        for m in MODES:
+            s = b.stats[m]
+            if not s.pending or m == b.leader:
+                s.pending = False
+                continue
+            s.pending = False
+            if lead.steps and s.goodput < self.config.far_ratio * lead.goodput:
+                s.interval = min(2 * s.interval, self.config.max_interval_steps)
+            else:
+                s.interval = self.config.base_interval_steps
+
+    def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True) -> None:
+        """One finished step in `mode`: the batch's output `tokens` over its wall `seconds`
+        (prefill of sequences that joined excluded). `chosen`: the mode came from `mode()`;
+        False: a batch forced all one way, a free measurement of that mode."""
+        b = self._bucket(batch_size)
+        b.steps_by_mode[mode] += 1
+        if mode != self._last_mode:
+            b.settle_left = self.config.settle_steps
+            b.switches += self._last_mode is not None
+        self._last_mode = mode
+        if b.settle_left > 0:
+            b.settle_left -= 1
+            return
+        if seconds <= 0:
+            return
+        s = b.stats[mode]
+        s.tokens = s.tokens * self._lambda + tokens
+        s.seconds = s.seconds * self._lambda + seconds
+        s.steps += 1
+        if mode == b.leader:
+            if chosen:  # exploiting: the other modes wait longer since their last measurement
+                for m in MODES:
+                    if m != mode:
+                        b.stats[m].since += 1
+        else:
+            s.since, s.pending = 0, True
+        self._elect(b)
+
+    def _elect(self, b: _Bucket) -> None:
+        lead = b.stats[b.leader]
+        best = max((m for m in MODES if b.stats[m].steps), key=lambda m: b.stats[m].goodput, default=b.leader)
+        if best != b.leader and (lead.steps == 0 or b.stats[best].goodput > self.config.switch_ratio * lead.goodput):
+            old = b.stats[b.leader]
+            old.since, old.interval, old.pending = 0, self.config.base_interval_steps, False
+            b.stats[best].pending = False
+            b.leader = best
+
+    def snapshot(self) -> dict[str, dict]:
+        """Per batch bucket: the leader, each mode's measured goodput (tok/s) and steps, probes."""
+        return {
+            f"b{key}": {
+                "leader": b.leader,
+                "goodput": {m: round(b.stats[m].goodput, 1) for m in MODES},
+                "measured_steps": {m: b.stats[m].steps for m in MODES},
+                "steps": dict(b.steps_by_mode),
+                "probe_interval": {m: b.stats[m].interval for m in MODES},
+                "probes": b.probes,
+            }
+            for key, b in sorted(self._buckets.items())
+        }
+
+
+def forced_mode(requested_ks: list[int], adaptive: list[bool], default_k: int) -> StepMode | None:
+    """The mode a batch with no adaptive sequence measures: 'off' when every sequence asked for
+    no drafts, 'on' when every one asked for `default_k` (forced 'on'), else None (a mix)."""
+    if any(adaptive) or not requested_ks:
+        return None
+    if all(k == 0 for k in requested_ks):
+        return "off"
+    if all(k == default_k for k in requested_ks):
+        return "on"
+    return None
+
+
+def mode_ks(mode: StepMode, caps: list[int], adaptive: list[bool], default_k: int) -> list[int] | None:
+    """Drafts per sequence for a fixed mode: adaptive sequences at `default_k` ('on') or 0 ('off'),
+    forced ones at their cap as always; None for 'plan' (the planner decides)."""
+    if mode == "plan":
+        return None
+    return [(min(cap, default_k) if mode == "on" else 0) if a else cap for cap, a in zip(caps, adaptive)]
