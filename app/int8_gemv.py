@@ -193,8 +193,16 @@ H200_1B_COLD: dict[tuple[int, int, int], BlockConfig] = {
     **{(2048, 8192, m): (16, 256, 4) for m in (4, 5, 6)}, **{(128256, 2048, m): (64, 128, 4) for m in (4, 5, 6)},
 }
 # Split-K configs (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, form), chosen against the configs above with cold
-# weights (`python3 -m bench.gpu_split_k`); pinned only where they beat them. Filled in from the H200 runs.
-H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {}
+# weights (`python3 -m bench.gpu_split_k`, session 20, two runs on one H200 gave the same picks); pinned only
+# where they beat them by > 3 %. 4-6 rows (tl.dot blocks padded to 16 rows): wqkv 7.2 -> 6.1 us, wo 6.0 -> 5.4,
+# w_down 17.4 -> 10.8; the atomic form beat the reduce form by 0.4-0.6 us on every one, the swapped dot lost.
+# Not pinned, as split-K lost or tied there: 1-2 rows (thin blocks: 1.4-2x slower split), w_gate_up and
+# lm_head at 4-6 rows (already 512 and 2004 programs); 3, 7 and 8 rows were not timed (they autotune).
+H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {
+    **{(3072, 2048, m): (32, 128, 4, 4, "atomic") for m in (4, 5, 6)},  # wqkv: 96 -> 384 programs
+    **{(2048, 2048, m): (32, 128, 4, 4, "atomic") for m in (4, 5, 6)},  # wo: 128 -> 256
+    **{(2048, 8192, m): (32, 256, 4, 4, "atomic") for m in (4, 5, 6)},  # w_down: 128 -> 256
+}
 PINNED: dict[tuple[int, int, int], BlockConfig] = {**H200_1B_COLD, **H200_1B_SPLIT_K}
 SPLIT_K_ENABLED = True  # False: every split-K pin falls back to H200_1B_COLD's config (benches' "before")
 

@@ -2,6 +2,7 @@
 
     python3 -m bench.gpu_split_k [--rows 1,2,4,5,6] [--shapes wqkv,wo,w_down,w_gate_up] [--no-swap]
         [--json PATH] [--pins-out PATH]
+    python3 -m bench.gpu_split_k --loop-steps 1,4,5,6 [--json PATH]  # the loops' draft step, split-K off / on
 
 Why: the 1B draft's small matrices give the few-row kernel fewer programs than an H200 has SMs
 (app/int8_gemv.py's docstring). Per 1B weight shape and row count M this times the shape's pinned
@@ -81,6 +82,43 @@ class ColdWeights:
         return micros(call, self.copies * max(1, 64 // self.copies))
 
 
+def loop_steps(rows: list[int], reps: int = 5) -> list[dict]:
+    """The 1B int8 draft's step as the loops run it, split-K pins off then on: the branching draft's R-row
+    step (app/fast_branches.BranchingDraft on a model with exactly R cache rows, in-place attention, as
+    bench.gpu_branches runs it; `branch_step_time`) and, for R 1, the one-row greedy loop's step
+    (`bench.gpu.loop_step_time`). Median of `reps` timings of 50 steps each, in ms."""
+    import statistics
+
+    from app import int8_gemv
+    from app.fast_branches import BranchingDraft, ControlledBranches
+    from app.fast_decode import ControlledAcceptance, GreedyLoop
+    from app.fast_llama import FastLlama
+    from bench.gpu import loop_step_time, random_llama
+    from bench.gpu_branches import VOCAB, branch_step_time
+
+    torch._dynamo.config.recompile_limit = 64  # a batch size per row count, as bench.gpu_branches
+    hf, max_len, out = random_llama("1b"), 512, []
+    ref = torch.zeros(max_len, dtype=torch.long, device="cuda")
+    for r in rows:
+        model = FastLlama(hf, max_batch=r, max_len=max_len, attention="grouped", weights="int8",
+                          compile_elementwise=True, decode_attention="triton" if r > 1 else "matmul")
+        for on in (False, True):
+            int8_gemv.use_split_k(on)  # read when the step's graph is captured
+            if r == 1:
+                loop = GreedyLoop(model, ControlledAcceptance(ref, 1.0, vocab=VOCAB, seed=7))
+                times = [loop_step_time(loop) * 1e3 for _ in range(reps)]
+            else:
+                draft = BranchingDraft(model, r, ControlledBranches(ref, 1.0, 0.0, vocab=VOCAB, seed=7))
+                times = [branch_step_time(draft) * 1e3 for _ in range(reps)]
+            out.append({"rows": r, "split_k": on, "step_ms": statistics.median(times), "step_ms_all": times})
+            print(f"R {r} split-K {'on ' if on else 'off'}: step {statistics.median(times):.3f} ms "
+                  f"({min(times):.3f}-{max(times):.3f} over {reps} x 50 steps)", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    int8_gemv.use_split_k(True)
+    return out
+
+
 def main() -> None:
     from app.int8_gemv import H200_1B_COLD
 
@@ -90,8 +128,20 @@ def main() -> None:
     ap.add_argument("--no-swap", action="store_true", help="leave out the swapped-dot candidates")
     ap.add_argument("--json", default="", help="every timing and check")
     ap.add_argument("--pins-out", default="", help="the winning split-K configs, for bench.gpu_draft_step --pins")
+    ap.add_argument("--loop-steps", default="", metavar="R,R",
+                    help="instead: the draft's loop step at these row counts, split-K pins off and on")
+    ap.add_argument("--pins", default="", help="--loop-steps: load these pins first (bench.gpu_draft_step --pins)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
+    if args.loop_steps:
+        if args.pins:
+            from bench.gpu_draft_step import load_pins
+            load_pins(args.pins)
+        res = loop_steps([int(r) for r in args.loop_steps.split(",")])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "pins": args.pins, "loop_steps": res}, f, indent=1)
+        return
     table, pins = [], []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
