@@ -39,6 +39,8 @@ RAY_EXPORT_PREFIX = "ray_"
 SERVE_AUTO_LABELS: tuple[str, ...] = ("deployment", "replica", "application")
 
 STEP_KINDS: tuple[str, ...] = ("decode", "verify", "draft", "exchange", "prefill")
+# `mode` label values of STEP_MODES (app.policy.mode_arbiter.MODES; tested equal)
+STEP_MODE_NAMES: tuple[str, ...] = ("plan", "on", "off")
 # Bound on the `position` label's cardinality (>= app.config.MAX_SPECULATIVE_TOKENS, tested).
 MAX_POSITIONS = 16
 MAX_LABEL_VALUE_LEN = 64
@@ -120,6 +122,10 @@ TPOT = MetricDef(
 STEP_TIME = MetricDef(
     "specserve_step_time_seconds", "histogram",
     "Engine step time by kind (decode|verify|draft|exchange|prefill).", ("kind",), STEP_BUCKETS)
+STEP_MODES = MetricDef(
+    "specserve_engine_step_modes_total", "counter",
+    "Engine steps with adaptive ('auto') sequences by the mode they ran in (plan|on|off), as the "
+    "measured-goodput arbiter chose it (app/policy/mode_arbiter.py).", ("mode",))
 RUNNING_SEQUENCES = MetricDef(
     "specserve_running_sequences", "gauge", "Sequences in the replica's running batch.")
 QUEUE_LENGTH = MetricDef(
@@ -131,7 +137,7 @@ KV_CACHED_SEQUENCES = MetricDef(
 
 ALL_METRICS: tuple[MetricDef, ...] = (
     NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS, NUM_ACCEPTED_PER_POS, ROUTER_DECISIONS,
-    TTFT, TPOT, STEP_TIME, RUNNING_SEQUENCES, QUEUE_LENGTH, KV_CACHED_TOKENS, KV_CACHED_SEQUENCES,
+    STEP_MODES, TTFT, TPOT, STEP_TIME, RUNNING_SEQUENCES, QUEUE_LENGTH, KV_CACHED_TOKENS, KV_CACHED_SEQUENCES,
 )
 
 # Ray Serve's own series (verified present on Ray 2.60's /metrics), used by the dashboard.
@@ -218,6 +224,12 @@ def check_step_kind(kind: str) -> str:
     return kind
 
 
+def check_step_mode(mode: str) -> str:
+    if mode not in STEP_MODE_NAMES:
+        raise ValueError(f"unknown step mode {mode!r}; expected one of {STEP_MODE_NAMES}")
+    return mode
+
+
 class MetricsRecorder(Protocol):
     """What app/ code calls; `deployments.metrics_ray.ServeMetrics` implements it over Ray."""
 
@@ -231,6 +243,8 @@ class MetricsRecorder(Protocol):
     def observe_tpot(self, seconds: float) -> None: ...
 
     def observe_step(self, kind: str, seconds: float) -> None: ...
+
+    def record_step_mode(self, mode: str) -> None: ...
 
     def set_load(self, running: int, queue: int, kv_tokens: int, kv_seqs: int) -> None: ...
 
@@ -254,6 +268,9 @@ class NullMetrics:
     def observe_step(self, kind: str, seconds: float) -> None:
         return None
 
+    def record_step_mode(self, mode: str) -> None:
+        return None
+
     def set_load(self, running: int, queue: int, kv_tokens: int, kv_seqs: int) -> None:
         return None
 
@@ -270,6 +287,7 @@ class InMemoryMetrics:
         self.ttft: list[float] = []
         self.tpot: list[float] = []
         self.steps: dict[str, list[float]] = {k: [] for k in STEP_KINDS}
+        self.step_modes: _Tally[str] = _Tally()
         self.load: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def record_step(self, drafted: int, accepted: int, num_drafts: int,
@@ -293,6 +311,9 @@ class InMemoryMetrics:
 
     def observe_step(self, kind: str, seconds: float) -> None:
         self.steps[check_step_kind(kind)].append(seconds)
+
+    def record_step_mode(self, mode: str) -> None:
+        self.step_modes[check_step_mode(mode)] += 1
 
     def set_load(self, running: int, queue: int, kv_tokens: int, kv_seqs: int) -> None:
         self.load = (running, queue, kv_tokens, kv_seqs)

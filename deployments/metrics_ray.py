@@ -62,6 +62,9 @@ class ServeMetrics:
     def observe_step(self, kind: str, seconds: float) -> None:
         self._m[m.STEP_TIME.name].observe(seconds, tags={"kind": m.check_step_kind(kind)})
 
+    def record_step_mode(self, mode: str) -> None:
+        self._inc(m.STEP_MODES, 1, {"mode": m.check_step_mode(mode)})
+
     def set_load(self, running: int, queue: int, kv_tokens: int, kv_seqs: int) -> None:
         self._m[m.RUNNING_SEQUENCES.name].set(running)
         self._m[m.QUEUE_LENGTH.name].set(queue)

@@ -210,6 +210,8 @@ class TargetServer:
             tokens = sum(len(u.token_ids) for u in updates[:times.batch_size])  # the batch's updates come first
             mode, chosen = self._step_mode
             self.arbiter.observe(times.batch_size, mode, tokens, wall, chosen=chosen)
+            if chosen:
+                self.metrics.record_step_mode(mode)
             self._mode_steps += 1
             if self._mode_steps % 2000 == 0:
                 log.info("step modes by batch bucket %s", self.arbiter.snapshot())

@@ -105,14 +105,20 @@ def build_panels() -> list[Panel]:
         "Router decisions by reason",
         [(f"sum by (decision, reason) (rate({m.ROUTER_DECISIONS.exported}{{{APP}}}[{WINDOW}]))",
           "{{decision}} / {{reason}}")],
-        unit="reqps", stacked=True, description="speculate / plain decisions per second, by reason"), w=12)
+        unit="reqps", stacked=True, description="speculate / plain decisions per second, by reason"), w=8)
+    lay.add(timeseries(
+        "Engine step modes",
+        [(f"sum by (mode) (rate({m.STEP_MODES.exported}{{{APP}}}[{WINDOW}]))", "{{mode}}")],
+        unit="short", stacked=True,
+        description="engine steps per second with 'auto' sequences, by the mode the measured-goodput arbiter ran: "
+                    "plan (the step planner), on (all at default k), off (all plain)"), w=8)
     lay.add(timeseries(
         "Replicas per deployment",
         [(f"sum by (application, deployment) ({m.SERVE_REPLICA_HEALTHY}{{{APP}}})",
           "{{deployment}} healthy"),
          (f"max by (application, deployment) ({m.SERVE_TARGET_REPLICAS}{{{APP}}})",
           "{{deployment}} autoscaling target")],
-        description="Ray Serve's own series: healthy replicas and the autoscaler's target"), w=12)
+        description="Ray Serve's own series: healthy replicas and the autoscaler's target"), w=8)
 
     lay.row("Latency")
     for metric, title in ((m.TTFT, "Time to first token"), (m.TPOT, "Time per output token")):

@@ -88,6 +88,7 @@ class MetricsProbe:
         self.metrics.observe_tpot(0.004)
         for kind, seconds in (("verify", 0.02), ("draft", 0.003), ("exchange", 0.0002)):
             self.metrics.observe_step(kind, seconds)
+        self.metrics.record_step_mode("on")
         self.metrics.set_load(running=3, queue=2, kv_tokens=512, kv_seqs=3)
         return "ok"
 

@@ -173,7 +173,7 @@ def test_recorders_share_the_protocol_signatures() -> None:
 
     methods = [n for n in vars(m.MetricsRecorder) if not n.startswith("_")]
     assert set(methods) == {"record_step", "record_decision", "observe_ttft", "observe_tpot",
-                            "observe_step", "set_load"}
+                            "observe_step", "record_step_mode", "set_load"}
     for cls in (ServeMetrics, m.NullMetrics, m.InMemoryMetrics):
         for name in methods:
             want = inspect.signature(getattr(m.MetricsRecorder, name))

@@ -111,3 +111,15 @@ def test_config_errors_say_what_to_fix() -> None:
     with pytest.raises(ValidationError):
         PolicyConfig.model_validate({"mode_arbiter": {"probe_every": 3}})  # extra="forbid": a typo is an error
     assert PolicyConfig.model_validate({"mode_arbiter": {"enabled": False}}).mode_arbiter.enabled is False
+
+
+def test_the_step_mode_metric_labels_are_the_arbiter_modes() -> None:
+    from app import metrics as m
+    from app.policy import MODES
+
+    assert m.STEP_MODE_NAMES == MODES
+    rec = m.InMemoryMetrics()
+    rec.record_step_mode("on")
+    assert rec.step_modes["on"] == 1
+    with pytest.raises(ValueError, match="unknown step mode 'fast'"):
+        rec.record_step_mode("fast")
