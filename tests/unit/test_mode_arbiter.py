@@ -26,10 +26,9 @@ def run(arb: ModeArbiter, steps: int, goodput: Callable[[str], float], batch: in
 
 
 def test_measures_every_mode_then_runs_the_best() -> None:
-    arb = ModeArbiter(ModeArbiterConfig(probe_steps=10, settle_steps=0))
+    arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=10, probe_min_s=0.0, settle_steps=0))
     rates = {"plan": 100.0, "on": 130.0, "off": 90.0}
-    first = [arb.mode(4) for _ in range(1)]
-    assert first == ["plan"]  # the planner is measured first
+    assert arb.mode(4) == "plan"  # the planner is measured first
     arb.observe(4, "plan", 100, 1.0)
     run(arb, 40, rates.__getitem__)
     assert arb.snapshot()["b4"]["leader"] == "on"
@@ -38,30 +37,48 @@ def test_measures_every_mode_then_runs_the_best() -> None:
 
 
 def test_a_clear_loser_is_probed_less_and_less() -> None:
-    cfg = ModeArbiterConfig(probe_steps=8, settle_steps=0, base_interval_steps=32, max_interval_steps=512)
+    cfg = ModeArbiterConfig(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.1, min_share=0.01)
     arb = ModeArbiter(cfg)
     rates = {"plan": 100.0, "on": 100.0, "off": 60.0}
     run(arb, 400, rates.__getitem__)
-    assert arb.snapshot()["b4"]["probe_interval"]["off"] > 32  # it doubled
-    late = run(arb, 8000, rates.__getitem__)
-    assert arb.snapshot()["b4"]["probe_interval"]["off"] == 512
-    # at the cap one probe of 8 steps per 512 leader steps: a small share, but never none
-    assert 0 < late["off"] / sum(late.values()) < 0.03
+    assert arb.snapshot()["b4"]["probe_share"]["off"] < 0.1  # it halved
+    late = run(arb, 20000, rates.__getitem__)
+    assert arb.snapshot()["b4"]["probe_share"]["off"] == 0.01
+    # at the floor, probes of 'off' take about 1 % of the time: a small share, but never none
+    assert 0 < late["off"] / sum(late.values()) < 0.02
 
 
-def test_a_close_mode_stays_probed_at_the_base_interval() -> None:
-    cfg = ModeArbiterConfig(probe_steps=8, settle_steps=0, base_interval_steps=32, max_interval_steps=512)
+def test_probes_are_budgeted_in_time_not_steps() -> None:
+    """Long steps (high load) get as small a probe share as short ones: a probe lasts
+    max(probe_min_steps, probe_min_s) and the next waits probe time / share."""
+    cfg = ModeArbiterConfig(probe_min_steps=4, probe_min_s=0.25, settle_steps=0, base_share=0.05, min_share=0.05)
+    for step_s in (0.01, 0.4):
+        arb = ModeArbiter(cfg)
+        seconds = {"plan": 0.0, "on": 0.0, "off": 0.0}
+        for _ in range(int(400 / step_s)):
+            mode = arb.mode(32)
+            arb.observe(32, mode, {"plan": 100, "on": 140, "off": 70}[mode], step_s)
+            seconds[mode] += step_s
+        total = sum(seconds.values())
+        assert arb.snapshot()["b32"]["leader"] == "on"
+        # two probed modes at a 5 % share each: about a tenth of the time, whatever the step length
+        assert 0.05 < (seconds["plan"] + seconds["off"]) / total < 0.14, (step_s, seconds)
+
+
+def test_a_close_mode_stays_probed_at_the_base_share() -> None:
+    cfg = ModeArbiterConfig(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.1)
     arb = ModeArbiter(cfg)
     rates = {"plan": 100.0, "on": 98.0, "off": 50.0}
     run(arb, 2000, rates.__getitem__)
     snap = arb.snapshot()["b4"]
     assert snap["leader"] == "plan"
-    assert snap["probe_interval"]["on"] == 32
-    assert snap["probe_interval"]["off"] > 32
+    assert snap["probe_share"]["on"] == 0.1
+    assert snap["probe_share"]["off"] < 0.1
 
 
 def test_the_lead_moves_when_the_host_changes() -> None:
-    arb = ModeArbiter(ModeArbiterConfig(probe_steps=8, settle_steps=0, base_interval_steps=32, half_life_steps=32))
+    arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.2,
+                                        half_life_steps=32))
     run(arb, 1000, {"plan": 100.0, "on": 120.0, "off": 80.0}.__getitem__)
     assert arb.snapshot()["b4"]["leader"] == "on"
     # the host slows drafting: now plain decoding wins
@@ -83,7 +100,7 @@ def test_forced_batches_are_free_measurements_and_settle_steps_are_not_counted()
 
 def test_batch_buckets_are_separate() -> None:
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
-    arb = ModeArbiter(ModeArbiterConfig(probe_steps=4, settle_steps=0))
+    arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=4, probe_min_s=0.0, settle_steps=0))
     run(arb, 300, {"plan": 100.0, "on": 80.0, "off": 120.0}.__getitem__, batch=1)
     run(arb, 300, {"plan": 100.0, "on": 140.0, "off": 90.0}.__getitem__, batch=16)
     snap = arb.snapshot()
@@ -106,8 +123,8 @@ def test_forced_mode_reads_only_uniform_forced_batches() -> None:
 
 
 def test_config_errors_say_what_to_fix() -> None:
-    with pytest.raises(ValidationError, match="max_interval_steps=8 < base_interval_steps=96"):
-        ModeArbiterConfig(max_interval_steps=8)
+    with pytest.raises(ValidationError, match="min_share=0.1 > base_share=0.05"):
+        ModeArbiterConfig(min_share=0.1)
     with pytest.raises(ValidationError):
         PolicyConfig.model_validate({"mode_arbiter": {"probe_every": 3}})  # extra="forbid": a typo is an error
     assert PolicyConfig.model_validate({"mode_arbiter": {"enabled": False}}).mode_arbiter.enabled is False
