@@ -24,8 +24,9 @@ starts at `base_share` and halves, down to `min_share`, each time a probe finds 
 worse (under `far_ratio` of the leader); a probe that finds it close or better puts it back at the
 base. Why time, not steps: a step at 32 streams on the CPU app takes ~0.4 s against ~10 ms at one
 stream, and a 16-s benchmark cell holds only ~40 steps there; probes of 24 steps every 96 (the
-first form of this module, run AM in bench/RESULTS.md section 7) spent about a third of auto's
-steps at 32 streams in modes ~30 % worse and lost 7 % to 'on'. The first `settle_steps` steps
+first form of this module, run AM in bench/RESULTS.md section 7) spent, as estimated from the
+replica's step counts, about a third of auto's steps at 32 streams in modes ~30 % worse, and auto
+lost 7 % to 'on' there. The first `settle_steps` steps
 after the mode changes are not measured: they pay the switch (the draft's catch-up prefill of
 every token decoded plainly since a sequence last drafted), which a mode that stays does not pay;
 their time counts against the probe's budget all the same.
