@@ -6,7 +6,7 @@ from what it measures. Above the planner, `ModeArbiter` runs each batch size in 
 (the planner, all 'on', all 'off') measured the best goodput there (mode_arbiter.py).
 """
 
-from .calibration import StepTimeCalibration
+from .calibration import StepTimeCalibration, batch_bucket
 from .cost_model import (
     CostCurve,
     StepCosts,
@@ -24,7 +24,7 @@ from .decision import (
     SpeculationDecision,
     SpeculationPolicy,
 )
-from .mode_arbiter import MODES, ModeArbiter, ModeArbiterConfig, StepMode, batch_bucket
+from .mode_arbiter import MODES, ModeArbiter, ModeArbiterConfig, StepMode
 from .step_plan import PlainHold, StepCandidate, StepExplorer, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor, PromptClass, classify_prompt
 

@@ -23,6 +23,12 @@ import math
 from dataclasses import dataclass
 
 
+def batch_bucket(batch_size: int) -> int:
+    """1, 2, then the next power of two (3-4 -> 4, 9-16 -> 16): a closed-loop batch wavers by a
+    sequence or two (c or c - 1 streams), and each bucket needs enough steps to learn."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
 @dataclass
 class _Ratio:
     weighted: float = 0.0  # decayed sum of realized / predicted
@@ -69,9 +75,7 @@ class StepTimeCalibration:
         probe = depth - 1 if shallower else depth + 1
         return probe if 0 <= probe <= max_depth and probe != depth else None
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << max(batch - 1, 0).bit_length()
+    bucket = staticmethod(batch_bucket)
 
     def observe(self, batch: int, depth: int, predicted_s: float, realized_s: float) -> None:
         """One step: a plan of `depth` (0: plain) for `batch` sequences, predicted vs measured seconds."""

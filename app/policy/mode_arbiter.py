@@ -41,11 +41,12 @@ after it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .calibration import batch_bucket  # the same buckets as the planner's step-time calibration
 
 StepMode = Literal["plan", "on", "off"]
 MODES: tuple[StepMode, ...] = ("plan", "on", "off")
@@ -70,11 +71,6 @@ class ModeArbiterConfig(BaseModel):
             raise ValueError(f"mode_arbiter.min_share={self.min_share} > base_share={self.base_share}: the probe "
                              "share only shrinks from the base; set min_share <= base_share")
         return self
-
-
-def batch_bucket(batch_size: int) -> int:
-    """1, 2, then powers of two: a closed-loop batch wavers by a sequence or two (c or c - 1 streams)."""
-    return 1 if batch_size <= 1 else 2 ** math.ceil(math.log2(batch_size))
 
 
 @dataclass
