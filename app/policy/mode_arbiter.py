@@ -31,16 +31,30 @@ after the mode changes are not measured: they pay the switch (the draft's catch-
 every token decoded plainly since a sequence last drafted), which a mode that stays does not pay;
 their time counts against the probe's budget all the same.
 
+A probe is judged against the leader measured just before it, not against the leader's figure
+from whenever: the evidence for a mode is its probes' output tokens over what the leader made in
+as many seconds at its goodput of that time (a ratio of time-decayed sums), so a host whose speed
+drifts (the 2-core CPU host's moved ~1.7x within one sweep, run AO) shifts both sides alike.
+The form of runs AN and AO compared each mode's own long-run goodput, and a stale figure from a faster
+period won against fresh ones (run AO: auto 0.93-0.94 of the better fixed policy at 1-4 streams).
+So the leader's goodput is a short average that is dropped when the bucket went unmeasured
+`stale_after_s` (a new benchmark cell, a lull), no probe starts before the leader is measured
+afresh, and a mode takes the lead only right after a probe paired it with the leader. On a
+change of leader every ratio is re-expressed against the new one.
+
 Steps whose batch is all forced the same way (every sequence 'on' at the default k, or every
 sequence 'off') are measurements of that arm too, and count as its probe: a live service learns
-from the fixed policies' own traffic.
+from the fixed policies' own traffic, when the leader was measured within `stale_after_s`.
 
-Pure and single-threaded: the engine thread calls `mode` before planning a step and `observe`
-after it.
+Single-threaded and Ray-free: the engine thread calls `mode` before planning a step and `observe`
+after it; time comes from an injected clock (tests drive a fake one).
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,13 +71,19 @@ class ModeArbiterConfig(BaseModel):
 
     enabled: bool = Field(True, description="choose the step mode by measured goodput; False: the planner always")
     probe_min_steps: int = Field(4, ge=1, description="a probe of a non-leading mode runs at least this many steps")
-    probe_min_s: float = Field(0.25, ge=0.0, description="... and at least this many seconds")
+    probe_min_s: float = Field(0.25, ge=0.0, description="... and at least this many seconds; the leader is measured "
+                                                         "as long before and after it, to pair with")
     settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
     base_share: float = Field(0.05, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader")
     min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
     far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a probe under this share of the leader halves its share")
     switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only above this share of the leader")
-    half_life_steps: float = Field(256.0, gt=0.0, description="measured steps over which a mode's goodput is averaged")
+    half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
+                                                              "for display (snapshot); decisions use paired ratios")
+    stale_after_s: float = Field(5.0, gt=0.0, description="a bucket unmeasured this long has no current leader "
+                                                          "figure: the leader is measured afresh before any probe")
+    evidence_half_life_s: float = Field(120.0, gt=0.0, description="wall seconds over which a mode's paired ratio to "
+                                                                   "the leader is averaged")
 
     @model_validator(mode="after")
     def _share_shrinks(self) -> "ModeArbiterConfig":
@@ -76,134 +96,206 @@ class ModeArbiterConfig(BaseModel):
 @dataclass
 class _ModeStats:
     share: float  # time share its probes may take of the leader's time
-    tokens: float = 0.0  # decayed sum of output tokens over measured steps
-    seconds: float = 0.0  # decayed sum of their wall seconds
+    tokens: float = 0.0  # decayed sum of output tokens over its measured steps (display)
+    seconds: float = 0.0  # ... and of their wall seconds
+    won: float = 0.0  # paired evidence: time-decayed output tokens of its probes ...
+    par: float = 0.0  # ... and what the leader made in as many seconds around each probe
+    evidence_t: float = 0.0  # clock time `won` and `par` were last decayed to
     steps: int = 0  # measured steps, undecayed
     waited_s: float = 0.0  # leader seconds since it was last measured
     probe_s: float = 0.0  # wall seconds its last probe took (settling included)
-    pending: bool = False  # measured since the last judgement (see ModeArbiter._judge)
 
     @property
     def goodput(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def ratio(self) -> float | None:
+        """Its goodput over the leader's, measured side by side in time; None before any pair."""
+        return self.won / self.par if self.par > 0 else None
+
     def due(self) -> bool:
-        return self.waited_s * self.share >= self.probe_s
+        return self.waited_s > 0 and self.waited_s * self.share >= self.probe_s
+
+
+@dataclass
+class _Window:
+    """Measured steps of one mode in a row: output tokens, wall seconds, steps."""
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens, self.seconds, self.steps = self.tokens + tokens, self.seconds + seconds, self.steps + 1
+
+    @property
+    def goodput(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Probe:
+    """A probe of `mode` paired with the leader's windows just before and just after it: with the
+    host's speed drifting linearly, their mean is the leader's goodput during the probe."""
+    mode: StepMode
+    before: _Window  # the leader's last measured steps when the probe began
+    during: _Window = field(default_factory=_Window)  # the probed mode's measured steps
+    after: _Window = field(default_factory=_Window)  # the leader's first measured steps after it
+    running: bool = True  # the probe's own steps are still running (else: measuring `after`)
 
 
 @dataclass
 class _Bucket:
     stats: dict[str, _ModeStats]
     leader: StepMode = "plan"
-    current: StepMode = "plan"  # the mode of the running spell
-    probing: bool = False  # the spell is a probe of `current`
-    probe_steps: int = 0  # steps the probe has run
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # the leader's measured steps: (tokens, s)
+    last_t: float | None = None  # clock time of the bucket's last step
+    probe: _Probe | None = None
+    probe_steps: int = 0  # steps (settling included) the running probe has run
     settle_left: int = 0
     probes: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
 
 
 class ModeArbiter:
-    def __init__(self, config: ModeArbiterConfig | None = None) -> None:
+    def __init__(self, config: ModeArbiterConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or ModeArbiterConfig()
+        self._clock = clock
         self._lambda = 0.5 ** (1.0 / self.config.half_life_steps)
         self._buckets: dict[int, _Bucket] = {}
         self._last_mode: StepMode | None = None  # the mode of the engine's last step, any bucket
 
-    def _bucket(self, batch_size: int) -> _Bucket:
+    def _bucket(self, batch_size: int, now: float) -> _Bucket:
         key = batch_bucket(batch_size)
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES})
+        if b.last_t is not None and now - b.last_t > self.config.stale_after_s:
+            b.recent.clear()  # a lull or another benchmark cell: what the leader measured is another time's
+            b.probe = None
         return b
+
+    def _enough(self, w: _Window) -> bool:
+        return w.steps >= self.config.probe_min_steps and w.seconds >= self.config.probe_min_s
+
+    def _leader_window(self, b: _Bucket) -> _Window:
+        """The leader's latest measured steps, as few as make a probe's length."""
+        w = _Window()
+        for tokens, seconds in reversed(b.recent):
+            w.add(tokens, seconds)
+            if self._enough(w):
+                break
+        return w
 
     def mode(self, batch_size: int) -> StepMode:
         """The mode this step of a batch of `batch_size` (with adaptive sequences) runs in."""
-        b = self._bucket(batch_size)
-        if b.probing:
-            s = b.stats[b.current]
-            if b.probe_steps < self.config.probe_min_steps or s.probe_s < self.config.probe_min_s:
-                return b.current
-            b.probing = False
-        self._judge(b)
-        unmeasured = [m for m in MODES if b.stats[m].steps == 0]
-        if unmeasured:  # every mode is measured once before any is trusted, the planner first
-            return self._start(b, unmeasured[0])
-        due = [m for m in MODES if m != b.leader and b.stats[m].due()]
-        if due:  # the longest-waiting first
-            return self._start(b, max(due, key=lambda m: b.stats[m].waited_s * b.stats[m].share))
-        b.current = b.leader
-        return b.leader
-
-    def _start(self, b: _Bucket, mode: StepMode) -> StepMode:
-        b.current, b.probing, b.probe_steps = mode, True, 0
+        now = self._clock()
+        b = self._bucket(batch_size, now)
+        p = b.probe
+        if p is not None and p.running:
+            if b.probe_steps < self.config.probe_min_steps or b.stats[p.mode].probe_s < self.config.probe_min_s:
+                return p.mode
+            p.running = False  # now the leader's window after it
+        if b.probe is not None:
+            return b.leader
+        before = self._leader_window(b)
+        if not self._enough(before):  # the leader first: a probe is only worth its pairing
+            return b.leader
+        others = [m for m in MODES if m != b.leader]
+        unpaired = [m for m in others if b.stats[m].ratio is None]
+        due = unpaired or [m for m in others if b.stats[m].due()]  # every mode is paired once before the lead is trusted
+        if not due:
+            return b.leader
+        mode = max(due, key=lambda m: b.stats[m].waited_s * b.stats[m].share)  # the longest-waiting first
+        b.probe, b.probe_steps = _Probe(mode, before), 0
         b.stats[mode].probe_s = 0.0
         b.probes += 1
         return mode
 
-    def _judge(self, b: _Bucket) -> None:
-        """After a probe (or forced steps) measured a non-leading mode: when it was clearly worse
-        than the leader, probe it half as much; when close or better, at the base share."""
-        lead = b.stats[b.leader]
+    def _decay_evidence(self, s: _ModeStats, now: float) -> None:
+        f = 0.5 ** (max(now - s.evidence_t, 0.0) / self.config.evidence_half_life_s)
+        s.won, s.par, s.evidence_t = s.won * f, s.par * f, now
+
+    def _pair(self, b: _Bucket, mode: StepMode, during: _Window, leader_goodput: float, now: float) -> None:
+        """Evidence for `mode` against the leader, then its judgement: the mode takes the lead when
+        clearly above it; a mode clearly worse is probed half as much, one close or better at the base share."""
+        s = b.stats[mode]
+        if leader_goodput <= 0 or during.seconds <= 0:
+            return
+        self._decay_evidence(s, now)
+        s.won, s.par = s.won + during.tokens, s.par + during.seconds * leader_goodput
+        s.waited_s = 0.0
+        s.share = max(s.share / 2, self.config.min_share) if s.ratio < self.config.far_ratio else self.config.base_share
+        if s.ratio > self.config.switch_ratio:
+            self._switch(b, mode, now)
+
+    def _switch(self, b: _Bucket, new: StepMode, now: float) -> None:
+        """`new` leads: every ratio is re-expressed against it (r_x / r_new), the old leader's is 1 / r_new."""
+        old, n = b.stats[b.leader], b.stats[new]
+        for s in b.stats.values():
+            self._decay_evidence(s, now)
+        r = n.ratio
         for m in MODES:
-            s = b.stats[m]
-            if not s.pending or m == b.leader:
-                s.pending = False
-                continue
-            s.pending = False
-            if lead.steps and s.goodput < self.config.far_ratio * lead.goodput:
-                s.share = max(s.share / 2, self.config.min_share)
-            else:
-                s.share = self.config.base_share
+            if m not in (b.leader, new):
+                b.stats[m].par *= r
+        old.won, old.par = n.par, n.won  # the same evidence, read the other way round
+        old.waited_s, old.share = 0.0, self.config.base_share
+        old.probe_s = max(old.probe_s, self.config.probe_min_s)
+        n.won = n.par = 0.0
+        b.leader, b.probe = new, None
+        b.recent.clear()  # the new leader's figure is measured from now on
 
     def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True) -> None:
         """One finished step in `mode`: the batch's output `tokens` over its wall `seconds`
         (prefill of sequences that joined excluded). `chosen`: the mode came from `mode()`;
         False: a batch forced all one way, a free measurement of that mode."""
-        b = self._bucket(batch_size)
+        now, c = self._clock(), self.config
+        b = self._bucket(batch_size, now)
+        b.last_t = now
         b.steps_by_mode[mode] += 1
-        s = b.stats[mode]
-        if chosen and b.probing and mode == b.current:
+        s, p = b.stats[mode], b.probe
+        in_probe = chosen and p is not None and p.running and mode == p.mode
+        if in_probe:
             b.probe_steps += 1
             s.probe_s += max(seconds, 0.0)
         if mode != self._last_mode:
-            b.settle_left = self.config.settle_steps
+            b.settle_left = c.settle_steps
         self._last_mode = mode
         if b.settle_left > 0:
             b.settle_left -= 1
             return
         if seconds <= 0:
             return
-        s.tokens = s.tokens * self._lambda + tokens
-        s.seconds = s.seconds * self._lambda + seconds
         s.steps += 1
-        if mode == b.leader:
+        s.tokens, s.seconds = s.tokens * self._lambda + tokens, s.seconds * self._lambda + seconds
+        if in_probe:
+            p.during.add(tokens, seconds)
+        elif mode == b.leader:
+            b.recent.append((tokens, seconds))
             if chosen:  # exploiting: the other modes wait longer since their last measurement
                 for m in MODES:
                     if m != mode:
                         b.stats[m].waited_s += seconds
-        else:
-            s.waited_s, s.pending = 0.0, True
-            if not chosen:  # forced traffic measured it: that is its probe, as long as it lasts
-                s.probe_s = max(s.probe_s, self.config.probe_min_s)
-        self._elect(b)
-
-    def _elect(self, b: _Bucket) -> None:
-        lead = b.stats[b.leader]
-        best = max((m for m in MODES if b.stats[m].steps), key=lambda m: b.stats[m].goodput, default=b.leader)
-        if best != b.leader and (lead.steps == 0 or b.stats[best].goodput > self.config.switch_ratio * lead.goodput):
-            old = b.stats[b.leader]
-            old.waited_s, old.share, old.pending = 0.0, self.config.base_share, False
-            old.probe_s = max(old.probe_s, self.config.probe_min_s)
-            b.stats[best].pending = False
-            b.leader = best
+            if p is not None and not p.running:
+                p.after.add(tokens, seconds)
+                if self._enough(p.after):
+                    b.probe = None
+                    self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
+        elif not chosen:  # forced traffic measured a non-leader: paired with the leader's latest figure
+            before = self._leader_window(b)
+            if self._enough(before):
+                self._pair(b, mode, _Window(tokens, seconds, 1), before.goodput, now)
+                s.probe_s = max(s.probe_s, c.probe_min_s)  # that is its probe, as long as it lasts
 
     def snapshot(self) -> dict[str, dict]:
-        """Per batch bucket: the leader, each mode's measured goodput (tok/s) and steps, probe shares."""
+        """Per batch bucket: the leader, each mode's measured goodput (tok/s) and paired ratio to the
+        leader, measured steps and probe shares."""
         return {
             f"b{key}": {
                 "leader": b.leader,
                 "goodput": {m: round(b.stats[m].goodput, 1) for m in MODES},
+                "ratio": {m: 1.0 if m == b.leader else (round(r, 3) if (r := b.stats[m].ratio) is not None else None)
+                          for m in MODES},
                 "measured_steps": {m: b.stats[m].steps for m in MODES},
                 "steps": dict(b.steps_by_mode),
                 "probe_share": {m: round(b.stats[m].share, 4) for m in MODES},

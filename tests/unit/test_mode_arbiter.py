@@ -3,6 +3,7 @@ per batch bucket, on simulated steps whose goodput per mode is given."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -15,21 +16,40 @@ from app.policy.mode_arbiter import forced_mode, mode_ks
 STEP_S = 0.01
 
 
-def run(arb: ModeArbiter, steps: int, goodput: Callable[[str], float], batch: int = 4) -> Counter:
-    """Drive `steps` engine steps; each mode's step emits goodput(mode) * STEP_S tokens."""
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def arbiter(**config) -> ModeArbiter:
+    return ModeArbiter(ModeArbiterConfig(**config), clock=FakeClock())
+
+
+def observe(arb: ModeArbiter, batch: int, mode: str, tokens: float, seconds: float, chosen: bool = True) -> None:
+    """One step: the fake clock moves on by the step's seconds, then the arbiter sees it."""
+    arb._clock.t += seconds
+    arb.observe(batch, mode, round(tokens), seconds, chosen=chosen)
+
+
+def run(arb: ModeArbiter, steps: int, goodput: Callable[[str], float], batch: int = 4,
+        step_s: float = STEP_S * 100) -> Counter:
+    """Drive `steps` engine steps of `step_s` seconds; each emits goodput(mode) * step_s tokens."""
     chosen: Counter = Counter()
     for _ in range(steps):
         mode = arb.mode(batch)
         chosen[mode] += 1
-        arb.observe(batch, mode, round(goodput(mode) * STEP_S * 100), STEP_S * 100)
+        observe(arb, batch, mode, goodput(mode) * step_s, step_s)
     return chosen
 
 
 def test_measures_every_mode_then_runs_the_best() -> None:
-    arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=10, probe_min_s=0.0, settle_steps=0))
+    arb = arbiter(probe_min_steps=10, probe_min_s=0.0, settle_steps=0)
     rates = {"plan": 100.0, "on": 130.0, "off": 90.0}
     assert arb.mode(4) == "plan"  # the planner is measured first
-    arb.observe(4, "plan", 100, 1.0)
+    observe(arb, 4, "plan", 100, 1.0)
     run(arb, 40, rates.__getitem__)
     assert arb.snapshot()["b4"]["leader"] == "on"
     later = run(arb, 2000, rates.__getitem__)
@@ -38,7 +58,7 @@ def test_measures_every_mode_then_runs_the_best() -> None:
 
 def test_a_clear_loser_is_probed_less_and_less() -> None:
     cfg = ModeArbiterConfig(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.1, min_share=0.01)
-    arb = ModeArbiter(cfg)
+    arb = ModeArbiter(cfg, clock=FakeClock())
     rates = {"plan": 100.0, "on": 100.0, "off": 60.0}
     run(arb, 400, rates.__getitem__)
     assert arb.snapshot()["b4"]["probe_share"]["off"] < 0.1  # it halved
@@ -53,11 +73,11 @@ def test_probes_are_budgeted_in_time_not_steps() -> None:
     max(probe_min_steps, probe_min_s) and the next waits probe time / share."""
     cfg = ModeArbiterConfig(probe_min_steps=4, probe_min_s=0.25, settle_steps=0, base_share=0.05, min_share=0.05)
     for step_s in (0.01, 0.4):
-        arb = ModeArbiter(cfg)
+        arb = ModeArbiter(cfg, clock=FakeClock())
         seconds = {"plan": 0.0, "on": 0.0, "off": 0.0}
         for _ in range(int(400 / step_s)):
             mode = arb.mode(32)
-            arb.observe(32, mode, {"plan": 100, "on": 140, "off": 70}[mode], step_s)
+            observe(arb, 32, mode, {"plan": 100, "on": 140, "off": 70}[mode], step_s)
             seconds[mode] += step_s
         total = sum(seconds.values())
         assert arb.snapshot()["b32"]["leader"] == "on"
@@ -67,7 +87,7 @@ def test_probes_are_budgeted_in_time_not_steps() -> None:
 
 def test_a_close_mode_stays_probed_at_the_base_share() -> None:
     cfg = ModeArbiterConfig(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.1)
-    arb = ModeArbiter(cfg)
+    arb = ModeArbiter(cfg, clock=FakeClock())
     rates = {"plan": 100.0, "on": 98.0, "off": 50.0}
     run(arb, 2000, rates.__getitem__)
     snap = arb.snapshot()["b4"]
@@ -77,8 +97,8 @@ def test_a_close_mode_stays_probed_at_the_base_share() -> None:
 
 
 def test_the_lead_moves_when_the_host_changes() -> None:
-    arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.2,
-                                        half_life_steps=32))
+    arb = arbiter(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.2,
+                                        half_life_steps=32)
     run(arb, 1000, {"plan": 100.0, "on": 120.0, "off": 80.0}.__getitem__)
     assert arb.snapshot()["b4"]["leader"] == "on"
     # the host slows drafting: now plain decoding wins
@@ -88,9 +108,9 @@ def test_the_lead_moves_when_the_host_changes() -> None:
 
 
 def test_forced_batches_are_free_measurements_and_settle_steps_are_not_counted() -> None:
-    arb = ModeArbiter(ModeArbiterConfig(settle_steps=3))
+    arb = arbiter(settle_steps=3)
     for _ in range(10):  # a forced-'off' cell: mode() is never asked
-        arb.observe(8, "off", 8, 0.1, chosen=False)
+        observe(arb, 8, "off", 8, 0.1, chosen=False)
     snap = arb.snapshot()["b8"]
     assert snap["steps"]["off"] == 10 and snap["measured_steps"]["off"] == 7  # the first 3 paid the switch
     assert snap["goodput"]["off"] == pytest.approx(80.0)
@@ -98,9 +118,74 @@ def test_forced_batches_are_free_measurements_and_settle_steps_are_not_counted()
     assert arb.mode(8) == "plan"
 
 
+def test_a_figure_from_a_faster_period_does_not_win_against_fresh_ones() -> None:
+    """Run AO's failure: the fixed policies' cells measure a mode while the host is fast, the auto
+    cell after them runs while it is slow. 'on' really beats 'off' by 17 % throughout; compared by
+    each mode's own goodput, the forced 'off' cell's figure from the fast period would take the lead.
+    Paired with the leader of the same time (and a forced cell has no fresh leader), it does not."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.25, settle_steps=1)
+    truth = {"plan": 1000.0, "on": 1050.0, "off": 900.0}
+    run(arb, 600, truth.__getitem__, step_s=0.05)
+    assert arb.snapshot()["b4"]["leader"] == "on"
+    arb._clock.t += 20.0
+    for _ in range(1200):  # a forced-'off' cell on a host 1.7x faster
+        observe(arb, 4, "off", truth["off"] * 1.7 * 0.05, 0.05, chosen=False)
+    arb._clock.t += 20.0
+    chosen = run(arb, 600, truth.__getitem__, step_s=0.05)  # the auto cell, back at the slow speed
+    snap = arb.snapshot()["b4"]
+    assert snap["leader"] == "on", snap
+    assert chosen["on"] / sum(chosen.values()) > 0.85, chosen
+    assert snap["ratio"]["plan"] == pytest.approx(1000 / 1050, rel=0.02)  # the pair's true ratio
+    assert snap["ratio"]["off"] == pytest.approx(900 / 1050, rel=0.02)
+
+
+def test_the_lead_follows_a_true_ratio_under_a_host_that_drifts_every_step() -> None:
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.2, settle_steps=1)
+    base = {"plan": 100.0, "on": 93.0, "off": 107.0}  # 'off' wins by 7 %; the host's speed swings +-40 %
+    speed = lambda: 1.0 + 0.4 * math.sin(arb._clock.t / 7.0)  # noqa: E731
+    chosen = run(arb, 4000, lambda m: base[m] * speed(), step_s=0.05)
+    snap = arb.snapshot()["b4"]
+    assert snap["leader"] == "off", snap
+    assert chosen["off"] / sum(chosen.values()) > 0.85
+
+
+def test_a_new_leader_re_expresses_every_ratio() -> None:
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, switch_ratio=1.01)
+    run(arb, 200, {"plan": 100.0, "on": 120.0, "off": 90.0}.__getitem__)
+    snap = arb.snapshot()["b4"]
+    assert snap["leader"] == "on"
+    assert snap["ratio"]["plan"] == pytest.approx(100 / 120, rel=0.02)
+    assert snap["ratio"]["off"] == pytest.approx(90 / 120, rel=0.02)
+
+
+def test_no_probe_before_the_leader_is_measured_afresh() -> None:
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0, base_share=0.5, min_share=0.5)
+    run(arb, 300, {"plan": 100.0, "on": 99.0, "off": 98.0}.__getitem__, step_s=0.1)
+    arb._clock.t += 60.0  # a lull: the leader's figure is another time's
+    modes = []
+    for _ in range(8):
+        modes.append(arb.mode(4))
+        observe(arb, 4, modes[-1], 10, 0.1)
+    # the leader runs until it has probe_min_steps and probe_min_s of fresh measurement, then probes may start
+    assert modes[:5] == ["plan"] * 5 and set(modes[5:]) != {"plan"}, modes
+
+
+def test_forced_traffic_is_paired_only_with_a_leader_measured_lately() -> None:
+    arb = arbiter(probe_min_steps=2, probe_min_s=0.0, settle_steps=0, stale_after_s=5.0)
+    for _ in range(10):
+        observe(arb, 8, "off", 8, 0.1, chosen=False)  # no leader figure at all: nothing to pair with
+    assert arb.snapshot()["b8"]["ratio"]["off"] is None
+    run(arb, 50, {"plan": 100.0, "on": 100.0, "off": 100.0}.__getitem__, batch=8, step_s=0.1)
+    arb._clock.t += 1.0
+    for _ in range(20):
+        observe(arb, 8, "off", 15, 0.1, chosen=False)  # 150 tok/s forced 'off' while 'plan' leads at 100
+    snap = arb.snapshot()["b8"]
+    assert snap["leader"] == "off" and snap["ratio"]["plan"] < 0.9, snap  # the forced traffic's evidence won
+
+
 def test_batch_buckets_are_separate() -> None:
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
-    arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=4, probe_min_s=0.0, settle_steps=0))
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0)
     run(arb, 300, {"plan": 100.0, "on": 80.0, "off": 120.0}.__getitem__, batch=1)
     run(arb, 300, {"plan": 100.0, "on": 140.0, "off": 90.0}.__getitem__, batch=16)
     snap = arb.snapshot()
