@@ -100,7 +100,7 @@ if AVAILABLE:
     @triton.jit
     def _int8_split_k_kernel(x_ptr, q_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                             ATOMIC: tl.constexpr, SWAP: tl.constexpr = False):
+                             ATOMIC: tl.constexpr, SWAP: tl.constexpr = False, ALIGNED: tl.constexpr = False):
         # x [M, K], q [N, K] int8, s [N] -> y [M, N] = (x @ q.T) * s; program (pid_n, pid_k) sums the
         # K / SPLIT_K columns [pid_k * K / SPLIT_K, ...) of BLOCK_N output columns. The host checks
         # K % (SPLIT_K * BLOCK_K) == 0, so K needs no mask. M, N, K are runtime values (not constexpr,
@@ -111,6 +111,9 @@ if AVAILABLE:
         n_ok, m_ok = rn < N, rm < M
         k_len = K // SPLIT_K
         k_begin = pid_k * k_len
+        if ALIGNED:  # "-aligned": K % (SPLIT_K * BLOCK_K) == 0 told to the compiler, as _int8_fma_kernel does
+            k_len = tl.multiple_of(k_len, BLOCK_K)
+            k_begin = tl.multiple_of(k_begin, BLOCK_K)
         if SWAP:  # y.T = q @ x.T: the int8 weights as the dot's first operand (wgmma's m >= 64 side)
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         elif BLOCK_N >= 16:  # tensor cores on 16 padded rows, as _int8_rows_body
@@ -119,6 +122,8 @@ if AVAILABLE:
             acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(k_begin, k_begin + k_len, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            if ALIGNED:
+                rk = tl.multiple_of(k0, BLOCK_K) + tl.arange(0, BLOCK_K)
             w = tl.load(q_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K]
             x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
             if SWAP:
@@ -161,9 +166,86 @@ if AVAILABLE:
         s = tl.load(s_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs, (acc * s).to(y_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _int8_fma_kernel(x_ptr, q_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, M: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_K: tl.constexpr):
+        # x [M, K] (1 <= M <= 8), q [N, K] int8, s [N] -> y [M, N] = (x @ q.T) * s without tensor cores: the
+        # one-row kernel's thin blocks ([BLOCK_N, BLOCK_K] of int8 read once per program, elementwise fp32
+        # products summed over K once, after the loop), with one accumulator per row (M is a constexpr, so no
+        # row is padded: the few-row kernel's thin blocks pad M to a power of two and reduce every iteration).
+        # SPLIT_K > 1: program (pid_n, pid_k) sums K / SPLIT_K columns and the split-K kernel's atomic epilogue
+        # adds the column blocks' partials up (ws [MAX_ROWS, N] fp32 and cnt [N] int32, zero between launches).
+        # N and K are runtime values (one compile per config and row count); the host checks
+        # K % (SPLIT_K * BLOCK_K) == 0, which tl.multiple_of tells the compiler (16-byte int8 loads: Triton
+        # knows K only as a multiple of 16, so K // SPLIT_K alone would be a multiple of 16 / SPLIT_K).
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_ok = rn < N
+        k_len = tl.multiple_of(K // SPLIT_K, BLOCK_K)
+        k_begin = tl.multiple_of(pid_k * k_len, BLOCK_K)
+        a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a4 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a5 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a6 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a7 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, k_len, BLOCK_K):
+            rk = k_begin + k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            w = tl.load(q_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
+            a0 += w * tl.load(x_ptr + rk).to(tl.float32)[None, :]
+            if M > 1:
+                a1 += w * tl.load(x_ptr + K + rk).to(tl.float32)[None, :]
+            if M > 2:
+                a2 += w * tl.load(x_ptr + 2 * K + rk).to(tl.float32)[None, :]
+            if M > 3:
+                a3 += w * tl.load(x_ptr + 3 * K + rk).to(tl.float32)[None, :]
+            if M > 4:
+                a4 += w * tl.load(x_ptr + 4 * K + rk).to(tl.float32)[None, :]
+            if M > 5:
+                a5 += w * tl.load(x_ptr + 5 * K + rk).to(tl.float32)[None, :]
+            if M > 6:
+                a6 += w * tl.load(x_ptr + 6 * K + rk).to(tl.float32)[None, :]
+            if M > 7:
+                a7 += w * tl.load(x_ptr + 7 * K + rk).to(tl.float32)[None, :]
+        # the rows' sums as one [BLOCK_M, BLOCK_N] tile (rows past M stay zero and are masked)
+        rm = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.where(rm[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
+        if M > 1:
+            acc = tl.where(rm[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
+        if M > 2:
+            acc = tl.where(rm[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
+        if M > 3:
+            acc = tl.where(rm[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
+        if M > 4:
+            acc = tl.where(rm[:, None] == 4, tl.sum(a4, axis=1)[None, :], acc)
+        if M > 5:
+            acc = tl.where(rm[:, None] == 5, tl.sum(a5, axis=1)[None, :], acc)
+        if M > 6:
+            acc = tl.where(rm[:, None] == 6, tl.sum(a6, axis=1)[None, :], acc)
+        if M > 7:
+            acc = tl.where(rm[:, None] == 7, tl.sum(a7, axis=1)[None, :], acc)
+        out_ok = (rm < M)[:, None] & n_ok[None, :]
+        offs = rm[:, None] * N + rn[None, :]  # [BLOCK_M, BLOCK_N] into a row-major [M, N]
+        s = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
+        if SPLIT_K == 1:
+            tl.store(y_ptr + offs, (acc * s[None, :]).to(y_ptr.dtype.element_ty), mask=out_ok)
+        else:  # the split-K kernel's atomic epilogue
+            tl.atomic_add(ws_ptr + offs, acc, mask=out_ok, sem="relaxed")
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            last = done == SPLIT_K - 1
+            total = tl.atomic_xchg(ws_ptr + offs, tl.zeros_like(acc), mask=out_ok & last, sem="relaxed")
+            tl.store(y_ptr + offs, (total * s[None, :]).to(y_ptr.dtype.element_ty), mask=out_ok & last)
+            tl.store(cnt_ptr + pid_n, 0, mask=last)
+
 MAX_ROWS = 8  # the few-row kernel's limit; more rows (a prefill) are a GEMM's work
 # (BLOCK_N, BLOCK_K, num_warps), or split-K (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "atomic" | "reduce", either
-# with "-swap" for the weights as the dot's first operand; SPLIT_K 1 with "-swap": the swapped dot unsplit)
+# with "-swap" for the weights as the dot's first operand; SPLIT_K 1 with "-swap": the swapped dot unsplit), or
+# (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "fma"): _int8_fma_kernel, unsplit (SPLIT_K 1) or with the atomic epilogue
 BlockConfig = tuple[int, int, int] | tuple[int, int, int, int, str]
 
 
@@ -198,11 +280,12 @@ H200_1B_COLD: dict[tuple[int, int, int], BlockConfig] = {
 # w_down 17.4 -> 10.8; the atomic form beat the reduce form by 0.4-0.6 us on every one, the swapped dot lost.
 # Not pinned, as split-K lost or tied there: 1-2 rows (thin blocks: 1.4-2x slower split), w_gate_up and
 # lm_head at 4-6 rows (already 512 and 2004 programs); 3, 7 and 8 rows were not timed (they autotune).
-H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {
+H200_1B_SPLIT_K_SESSION20: dict[tuple[int, int, int], BlockConfig] = {
     **{(3072, 2048, m): (32, 128, 4, 4, "atomic") for m in (4, 5, 6)},  # wqkv: 96 -> 384 programs
     **{(2048, 2048, m): (32, 128, 4, 4, "atomic") for m in (4, 5, 6)},  # wo: 128 -> 256
     **{(2048, 8192, m): (32, 256, 4, 4, "atomic") for m in (4, 5, 6)},  # w_down: 128 -> 256
 }
+H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {**H200_1B_SPLIT_K_SESSION20}
 PINNED: dict[tuple[int, int, int], BlockConfig] = {**H200_1B_COLD, **H200_1B_SPLIT_K}
 SPLIT_K_ENABLED = True  # False: every split-K pin falls back to H200_1B_COLD's config (benches' "before")
 
@@ -248,12 +331,21 @@ def _launch_split_k(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: to
                     block_k: int, warps: int, split: int, form: str) -> None:
     M, K = x.shape
     N = q.shape[0]
-    kind, _, swap = form.partition("-")  # "atomic" | "reduce", "-swap": the weights as the dot's first operand
-    if K % (split * block_k) or kind not in ("atomic", "reduce") or swap not in ("", "swap"):
+    # "atomic" | "reduce" | "fma", then flags: "-swap" the weights as the dot's first operand, "-aligned" the K
+    # offsets' alignment told to the compiler (the fma form always does that)
+    kind, *flags = form.split("-")
+    if K % (split * block_k) or kind not in ("atomic", "reduce", "fma") or not set(flags) <= {"swap", "aligned"} \
+            or (kind == "fma" and flags):
         raise ValueError(f"split-K config {(block_n, block_k, warps, split, form)} does not fit K={K}")
+    swap, aligned = "swap" in flags, "aligned" in flags
     grid = (triton.cdiv(N, block_n), split)
+    if kind == "fma":  # no tensor cores, one accumulator per row; SPLIT_K > 1: the atomic epilogue
+        ws, counts = _workspace(q) if split > 1 else (y, y)
+        _int8_fma_kernel[grid](x, q, scale, y, ws, counts, N, K, M, BLOCK_M=1 << (M - 1).bit_length(),
+                               BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps)
+        return
     meta = dict(BLOCK_M=rows_block(M, block_n), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
-                SWAP=bool(swap))
+                SWAP=swap, ALIGNED=aligned)
     if split == 1:
         _int8_split_k_kernel[grid](x, q, scale, y, y, y, M, N, K, ATOMIC=False, **meta)
     elif kind == "atomic":

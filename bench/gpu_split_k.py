@@ -3,6 +3,10 @@
     python3 -m bench.gpu_split_k [--rows 1,2,4,5,6] [--shapes wqkv,wo,w_down,w_gate_up] [--no-swap]
         [--json PATH] [--pins-out PATH]
     python3 -m bench.gpu_split_k --loop-steps 1,4,5,6 [--json PATH]  # the loops' draft step, split-K off / on
+    python3 -m bench.gpu_split_k --search s21 --rows 5,4,6,3,7,8 --full-rows 5 --top 10 [--shapes ...]
+        [--json PATH] [--pins-out PATH]  # session 21: the fma form and aligned dots against the current pins
+    python3 -m bench.gpu_split_k --loop-steps 4,5,6 --before session20 [--pins PATH]  # session 20's pins
+        against the current defaults (plus PATH's pins)
 
 Why: the 1B draft's small matrices give the few-row kernel fewer programs than an H200 has SMs
 (app/int8_gemv.py's docstring). Per 1B weight shape and row count M this times the shape's pinned
@@ -33,6 +37,31 @@ FORMS = ("atomic", "reduce")
 # the weights as the dot's first operand (BLOCK_N >= 64, wgmma's m side), the atomic form (SPLIT_K 1: no sum)
 SWAP_CANDIDATES = [(bn, bk, w, s, "atomic-swap") for bn, bk, w in ((64, 128, 4), (64, 256, 4), (128, 64, 4),
                                                                     (128, 128, 4), (128, 128, 8)) for s in (1, 2, 4, 8)]
+
+
+# session 21: _int8_fma_kernel's thin blocks (no tensor cores, one accumulator per row), unsplit or split
+# (atomic epilogue), and the best tl.dot split configs of session 20 and their neighbours, each with and
+# without the K offsets' alignment told to the compiler ("-aligned")
+FMA_BLOCKS = [(1, 1024, 4), (2, 1024, 4), (2, 512, 4), (4, 512, 4), (4, 256, 4), (8, 256, 4), (2, 2048, 8),
+              (4, 1024, 8), (8, 512, 8), (2, 256, 2), (4, 512, 8), (8, 128, 4)]
+ALIGNED_DOT = [(32, 128, 4, 4), (32, 256, 4, 2), (32, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 8), (32, 64, 4, 8),
+               (64, 64, 4, 4), (16, 256, 4, 4), (16, 128, 4, 8), (32, 128, 8, 4), (64, 128, 4, 2), (32, 128, 2, 4)]
+
+
+def candidates_s21(m: int, k: int) -> list[tuple]:
+    """Session 21's configs for m rows and inner size k (those that divide k)."""
+    out = [(bn, bk, w, s, "fma") for bn, bk, w in FMA_BLOCKS for s in (1, 2, 4) if not k % (s * bk)
+           and (s < 4 or k >= 8192)]
+    if m >= 3:
+        out += [(*d, f) for d in ALIGNED_DOT for f in ("atomic", "atomic-aligned") if not k % (d[3] * d[1])]
+    return out
+
+
+def label_of(cfg: tuple) -> str:
+    if len(cfg) == 3:
+        return f"{cfg[0]}x{cfg[1]}w{cfg[2]}"
+    bn, bk, w, s, form = cfg
+    return f"{bn}x{bk}w{w}s{s}{form}"
 
 
 def candidates(m: int, swap: bool) -> list[tuple]:
@@ -82,11 +111,27 @@ class ColdWeights:
         return micros(call, self.copies * max(1, 64 // self.copies))
 
 
-def loop_steps(rows: list[int], reps: int = 5) -> list[dict]:
+def before_pins(spec: str) -> dict:
+    """The whole pin table of a "before": "session20" (app/int8_gemv.py's H200_1B_COLD and session 20's
+    split-K pins, the defaults until session 21), else H200_1B_COLD plus a pins file's configs."""
+    from app import int8_gemv
+
+    if spec == "session20":
+        return {**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K_SESSION20}
+    return {**int8_gemv.H200_1B_COLD, **read_pins(spec)}
+
+
+def read_pins(path: str) -> dict:
+    with open(path) as f:
+        return {(n, k, m): tuple(config) for n, k, m, *config in json.load(f)["pins"]}
+
+
+def loop_steps(rows: list[int], reps: int = 5, variants: list[tuple[str, dict | None]] | None = None) -> list[dict]:
     """The 1B int8 draft's step as the loops run it, split-K pins off then on: the branching draft's R-row
     step (app/fast_branches.BranchingDraft on a model with exactly R cache rows, in-place attention, as
     bench.gpu_branches runs it; `branch_step_time`) and, for R 1, the one-row greedy loop's step
-    (`bench.gpu.loop_step_time`). Median of `reps` timings of 50 steps each, in ms."""
+    (`bench.gpu.loop_step_time`). Median of `reps` timings of 50 steps each, in ms. `variants`: (label, the
+    whole pin table, or None for the defaults with split-K off) per timing instead of split-K off / on."""
     import statistics
 
     from app import int8_gemv
@@ -99,24 +144,94 @@ def loop_steps(rows: list[int], reps: int = 5) -> list[dict]:
     torch._dynamo.config.recompile_limit = 64  # a batch size per row count, as bench.gpu_branches
     hf, max_len, out = random_llama("1b"), 512, []
     ref = torch.zeros(max_len, dtype=torch.long, device="cuda")
+    defaults = dict(int8_gemv.PINNED)
+    variants = variants or [("split-K off", None), ("split-K on", defaults)]
     for r in rows:
         model = FastLlama(hf, max_batch=r, max_len=max_len, attention="grouped", weights="int8",
                           compile_elementwise=True, decode_attention="triton" if r > 1 else "matmul")
-        for on in (False, True):
-            int8_gemv.use_split_k(on)  # read when the step's graph is captured
+        for label, table in variants:
+            on = table is not None
+            int8_gemv.PINNED.clear()  # read when the step's graph is captured
+            int8_gemv.PINNED.update(defaults if table is None else table)
+            int8_gemv.use_split_k(on)
             if r == 1:
                 loop = GreedyLoop(model, ControlledAcceptance(ref, 1.0, vocab=VOCAB, seed=7))
                 times = [loop_step_time(loop) * 1e3 for _ in range(reps)]
             else:
                 draft = BranchingDraft(model, r, ControlledBranches(ref, 1.0, 0.0, vocab=VOCAB, seed=7))
                 times = [branch_step_time(draft) * 1e3 for _ in range(reps)]
-            out.append({"rows": r, "split_k": on, "step_ms": statistics.median(times), "step_ms_all": times})
-            print(f"R {r} split-K {'on ' if on else 'off'}: step {statistics.median(times):.3f} ms "
-                  f"({min(times):.3f}-{max(times):.3f} over {reps} x 50 steps)", flush=True)
+            used = {name: int8_gemv.pinned_config(n, k, r) for name, (n, k) in SHAPES.items()}
+            out.append({"rows": r, "variant": label, "split_k": on, "step_ms": statistics.median(times),
+                        "step_ms_all": times, "configs": {k: list(v) if v else None for k, v in used.items()}})
+            print(f"R {r} {label}: step {statistics.median(times):.3f} ms "
+                  f"({min(times):.3f}-{max(times):.3f} over {reps} x 50 steps); configs {used}", flush=True)
         del model
         torch.cuda.empty_cache()
+    int8_gemv.PINNED.clear()
+    int8_gemv.PINNED.update(defaults)
     int8_gemv.use_split_k(True)
     return out
+
+
+def search_s21(shapes: list[str], rows: list[int], full_rows: set[int], top: int, json_path: str,
+               deadline_s: float) -> list[list]:
+    """Session 21's config search: per shape and row count, the current pin (app/int8_gemv.pinned_config),
+    H200_1B_COLD's unsplit config where it differs, and candidates_s21, cold (ColdWeights); rows in
+    `full_rows` try every candidate, the others only the shape's `top` best of the full rows. A candidate
+    that fails to compile or to match the matmul is reported and never pinned. The best is pinned where it
+    beats the current pin by more than 3 % (or where nothing is pinned: there Triton autotunes hot).
+    Returns the pins; writes every timing to json_path after each row."""
+    import time
+
+    from app import int8_gemv
+
+    t0, table, pins = time.perf_counter(), [], []
+    for name in shapes:
+        n, k = SHAPES[name]
+        cold = ColdWeights(n, k)
+        ranked: list[str] = []
+        for m in rows:
+            if time.perf_counter() - t0 > deadline_s:
+                print(f"deadline: {name} M {m} and later not timed", flush=True)
+                break
+            current = int8_gemv.pinned_config(n, k, m)
+            base = [("current", current)] if current else []
+            if int8_gemv.H200_1B_COLD.get((n, k, m)) not in (None, current):
+                base.append(("unsplit", int8_gemv.H200_1B_COLD[(n, k, m)]))
+            cands = {label_of(c): c for c in candidates_s21(m, k)}
+            if m not in full_rows and ranked:
+                cands = {lb: cands[lb] for lb in ranked[:top] if lb in cands}
+            row = {"shape": name, "n": n, "k": k, "m": m, "current_config": current, "us": {}, "bad": {}}
+            for lb, cfg in [(f"{tag}:{label_of(c)}", c) for tag, c in base] + list(cands.items()):
+                try:
+                    err = cold.check(m, cfg)
+                    if not err <= 1e-2:
+                        row["bad"][lb] = err
+                        continue
+                    row["us"][lb] = round(cold.micros(m, cfg), 2)
+                except Exception as e:  # a config that does not compile or launch
+                    row["bad"][lb] = repr(e)[:300]
+            cur_us = row["us"].get(f"current:{label_of(current)}") if current else None
+            ranking = sorted((lb for lb in row["us"] if ":" not in lb), key=row["us"].get)
+            if m in full_rows and not ranked:
+                ranked = ranking
+            best = ranking[0] if ranking else None
+            row["best"], row["current_us"] = best, cur_us
+            pinned = best is not None and (cur_us is None or row["us"][best] < 0.97 * cur_us)
+            if pinned:
+                pins.append([n, k, m, *cands[best]])
+            row["pinned"] = pinned
+            table.append(row)
+            top5 = {lb: row["us"][lb] for lb in ranking[:5]}
+            print(f"[{time.perf_counter() - t0:.0f}s] {name:10} M {m}: current {current} {cur_us} us; best {best} "
+                  f"{row['us'].get(best)} us{' PIN' if pinned else ''}; top {top5}; bad {row['bad'] or 'none'}",
+                  flush=True)
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "table": table, "pins": pins}, f, indent=1)
+        del cold
+        torch.cuda.empty_cache()
+    return pins
 
 
 def main() -> None:
@@ -131,13 +246,34 @@ def main() -> None:
     ap.add_argument("--loop-steps", default="", metavar="R,R",
                     help="instead: the draft's loop step at these row counts, split-K pins off and on")
     ap.add_argument("--pins", default="", help="--loop-steps: load these pins first (bench.gpu_draft_step --pins)")
+    ap.add_argument("--before", default="", metavar="session20|PATH",
+                    help="--loop-steps: time this pin table (before_pins) against the defaults (plus --pins) "
+                         "instead of split-K off / on")
+    ap.add_argument("--search", default="", choices=["", "s21"], help="session 21's candidates (search_s21)")
+    ap.add_argument("--full-rows", default="5", help="--search: rows that try every candidate")
+    ap.add_argument("--top", type=int, default=10, help="--search: other rows try the full rows' best this many")
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="--search: stop starting rows after this long")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
+    if args.search:
+        pins = search_s21(args.shapes.split(","), [int(r) for r in args.rows.split(",")],
+                          {int(r) for r in args.full_rows.split(",")}, args.top, args.json, args.deadline_s)
+        print("pins " + json.dumps(pins), flush=True)
+        if args.pins_out:
+            with open(args.pins_out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "pins": pins}, f, indent=1)
+        return
     if args.loop_steps:
-        if args.pins:
+        variants = None
+        if args.before:
+            from app import int8_gemv
+            after = {**int8_gemv.PINNED, **(read_pins(args.pins) if args.pins else {})}
+            variants = [(f"before ({args.before})", before_pins(args.before)),
+                        ("after (defaults" + (f" + {args.pins})" if args.pins else ")"), after)]
+        elif args.pins:
             from bench.gpu_draft_step import load_pins
             load_pins(args.pins)
-        res = loop_steps([int(r) for r in args.loop_steps.split(",")])
+        res = loop_steps([int(r) for r in args.loop_steps.split(",")], variants=variants)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "pins": args.pins, "loop_steps": res}, f, indent=1)

@@ -14,13 +14,15 @@ SHAPES_1B = [(3072, 2048), (2048, 2048), (2048, 8192), (16384, 2048)]  # wqkv, w
 # a tl.dot block and a thin block (both work for any row count), and a block past N's end (N = 40)
 CONFIGS = [(16, 256, 4, 4), (32, 128, 4, 8), (4, 256, 4, 2)]
 SWAP_CONFIGS = [(64, 128, 4, 4), (128, 64, 4, 1), (128, 128, 8, 2)]  # the swapped dot; SPLIT_K 1: one store
+# _int8_fma_kernel (session 21): unsplit, split (atomic epilogue), one-column blocks, blocks past N's end
+FMA_CONFIGS = [(2, 512, 4, 1), (4, 256, 4, 2), (8, 128, 4, 4), (1, 1024, 4, 1), (2, 1024, 8, 1)]
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.float() - ref).abs().max().item() / ref.abs().max().item()
 
 
-@pytest.mark.parametrize("form", ["atomic", "reduce", "atomic-swap"])
+@pytest.mark.parametrize("form", ["atomic", "reduce", "atomic-swap", "atomic-aligned", "fma"])
 @pytest.mark.parametrize("n,k", SHAPES_1B + [(40, 1024)])
 def test_int8_split_k_equals_the_dequantised_matmul(n: int, k: int, form: str) -> None:
     from app.fast_llama import _int8_matmul, quantize_int8
@@ -31,14 +33,14 @@ def test_int8_split_k_equals_the_dequantised_matmul(n: int, k: int, form: str) -
     for m in range(1, 9):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = _int8_matmul(x, qw.q, qw.scale).float()
-        for bn, bk, w, s in (SWAP_CONFIGS if form.endswith("swap") else CONFIGS):
+        for bn, bk, w, s in (SWAP_CONFIGS if form.endswith("swap") else FMA_CONFIGS if form == "fma" else CONFIGS):
             for _ in range(2):  # the second launch finds the atomic workspace as the first left it
                 y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 launch(x, qw.q, qw.scale, y, (bn, bk, w, s, form))
                 assert _err(y, ref) <= 1e-2, (m, bn, bk, w, s, form)  # bf16 rounding of the output
 
 
-@pytest.mark.parametrize("form", ["atomic", "reduce"])
+@pytest.mark.parametrize("form", ["atomic", "reduce", "atomic-aligned", "fma"])
 def test_int8_split_k_in_a_cuda_graph(form: str) -> None:
     """Captured after one eager launch (which makes the atomic form's workspace), replayed on new inputs."""
     from app.fast_llama import _int8_matmul, quantize_int8
@@ -49,7 +51,7 @@ def test_int8_split_k_in_a_cuda_graph(form: str) -> None:
     qw = quantize_int8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
-    config = (16, 256, 4, 8, form)
+    config = (4, 256, 4, 4, form) if form == "fma" else (16, 256, 4, 8, form)
     launch(x, qw.q, qw.scale, y, config)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
