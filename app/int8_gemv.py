@@ -332,10 +332,12 @@ def _launch_split_k(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: to
     M, K = x.shape
     N = q.shape[0]
     # "atomic" | "reduce" | "fma", then flags: "-swap" the weights as the dot's first operand, "-aligned" the K
-    # offsets' alignment told to the compiler (the fma form always does that)
+    # offsets' alignment told to the compiler (the fma form always does that), "-nsN" N software-pipeline
+    # stages (Triton's num_stages; without it Triton's default)
     kind, *flags = form.split("-")
-    if K % (split * block_k) or kind not in ("atomic", "reduce", "fma") or not set(flags) <= {"swap", "aligned"} \
-            or (kind == "fma" and flags):
+    stages = [int(f[2:]) for f in flags if f[:2] == "ns" and f[2:].isdigit()]
+    if K % (split * block_k) or kind not in ("atomic", "reduce", "fma") or len(stages) > 1 \
+            or not {f for f in flags if f[:2] != "ns"} <= {"swap", "aligned"} or (kind == "fma" and flags):
         raise ValueError(f"split-K config {(block_n, block_k, warps, split, form)} does not fit K={K}")
     swap, aligned = "swap" in flags, "aligned" in flags
     grid = (triton.cdiv(N, block_n), split)
@@ -345,7 +347,7 @@ def _launch_split_k(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: to
                                BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps)
         return
     meta = dict(BLOCK_M=rows_block(M, block_n), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
-                SWAP=swap, ALIGNED=aligned)
+                SWAP=swap, ALIGNED=aligned, **({"num_stages": stages[0]} if stages else {}))
     if split == 1:
         _int8_split_k_kernel[grid](x, q, scale, y, y, y, M, N, K, ATOMIC=False, **meta)
     elif kind == "atomic":

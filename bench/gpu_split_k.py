@@ -48,6 +48,19 @@ ALIGNED_DOT = [(32, 128, 4, 4), (32, 256, 4, 2), (32, 256, 4, 4), (64, 128, 4, 4
                (64, 64, 4, 4), (16, 256, 4, 4), (16, 128, 4, 8), (32, 128, 8, 4), (64, 128, 4, 2), (32, 128, 2, 4)]
 
 
+# session 21, second search: aligned dots only (the fma form lost 1.6-4x everywhere in the first), unsplit
+# (SPLIT_K 1) and split, larger tiles, and Triton's num_stages
+DOT_S21B = [(32, 128, 4, 4), (32, 256, 4, 4), (32, 128, 4, 8), (32, 64, 4, 8), (64, 128, 4, 2), (64, 128, 4, 4),
+            (64, 256, 4, 2), (128, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 4), (64, 64, 4, 8), (32, 128, 4, 16),
+            (32, 64, 4, 16), (16, 128, 4, 16), (64, 128, 8, 4), (32, 256, 4, 8), (64, 128, 4, 1), (128, 128, 4, 1),
+            (64, 256, 4, 1), (128, 128, 8, 1), (128, 256, 8, 1), (256, 128, 8, 1)]
+STAGES_S21B = ("", "-ns1", "-ns2", "-ns4")
+
+
+def candidates_s21b(m: int, k: int) -> list[tuple]:
+    return [(*d, "atomic-aligned" + ns) for d in DOT_S21B for ns in STAGES_S21B if not k % (d[3] * d[1])] if m >= 3 else []
+
+
 def candidates_s21(m: int, k: int) -> list[tuple]:
     """Session 21's configs for m rows and inner size k (those that divide k)."""
     out = [(bn, bk, w, s, "fma") for bn, bk, w in FMA_BLOCKS for s in (1, 2, 4) if not k % (s * bk)
@@ -121,9 +134,13 @@ def before_pins(spec: str) -> dict:
     return {**int8_gemv.H200_1B_COLD, **read_pins(spec)}
 
 
-def read_pins(path: str) -> dict:
-    with open(path) as f:
-        return {(n, k, m): tuple(config) for n, k, m, *config in json.load(f)["pins"]}
+def read_pins(paths: str) -> dict:
+    """Comma-separated pins files (bench.gpu_draft_step --pins format), merged in order (later ones win)."""
+    out = {}
+    for path in paths.split(","):
+        with open(path) as f:
+            out.update({(n, k, m): tuple(config) for n, k, m, *config in json.load(f)["pins"]})
+    return out
 
 
 def loop_steps(rows: list[int], reps: int = 5, variants: list[tuple[str, dict | None]] | None = None) -> list[dict]:
@@ -174,7 +191,7 @@ def loop_steps(rows: list[int], reps: int = 5, variants: list[tuple[str, dict | 
 
 
 def search_s21(shapes: list[str], rows: list[int], full_rows: set[int], top: int, json_path: str,
-               deadline_s: float) -> list[list]:
+               deadline_s: float, which: str = "s21") -> list[list]:
     """Session 21's config search: per shape and row count, the current pin (app/int8_gemv.pinned_config),
     H200_1B_COLD's unsplit config where it differs, and candidates_s21, cold (ColdWeights); rows in
     `full_rows` try every candidate, the others only the shape's `top` best of the full rows. A candidate
@@ -198,7 +215,7 @@ def search_s21(shapes: list[str], rows: list[int], full_rows: set[int], top: int
             base = [("current", current)] if current else []
             if int8_gemv.H200_1B_COLD.get((n, k, m)) not in (None, current):
                 base.append(("unsplit", int8_gemv.H200_1B_COLD[(n, k, m)]))
-            cands = {label_of(c): c for c in candidates_s21(m, k)}
+            cands = {label_of(c): c for c in (candidates_s21b if which == "s21b" else candidates_s21)(m, k)}
             if m not in full_rows and ranked:
                 cands = {lb: cands[lb] for lb in ranked[:top] if lb in cands}
             row = {"shape": name, "n": n, "k": k, "m": m, "current_config": current, "us": {}, "bad": {}}
@@ -245,19 +262,25 @@ def main() -> None:
     ap.add_argument("--pins-out", default="", help="the winning split-K configs, for bench.gpu_draft_step --pins")
     ap.add_argument("--loop-steps", default="", metavar="R,R",
                     help="instead: the draft's loop step at these row counts, split-K pins off and on")
-    ap.add_argument("--pins", default="", help="--loop-steps: load these pins first (bench.gpu_draft_step --pins)")
+    ap.add_argument("--pins", default="", help="--loop-steps, --search: load these pins first (bench.gpu_draft_step "
+                                               "--pins; with --before or --search: comma-separated files)")
     ap.add_argument("--before", default="", metavar="session20|PATH",
                     help="--loop-steps: time this pin table (before_pins) against the defaults (plus --pins) "
                          "instead of split-K off / on")
-    ap.add_argument("--search", default="", choices=["", "s21"], help="session 21's candidates (search_s21)")
+    ap.add_argument("--search", default="", choices=["", "s21", "s21b"],
+                    help="session 21's candidates (search_s21): s21 the first set, s21b the second")
     ap.add_argument("--full-rows", default="5", help="--search: rows that try every candidate")
     ap.add_argument("--top", type=int, default=10, help="--search: other rows try the full rows' best this many")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="--search: stop starting rows after this long")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     if args.search:
+        if args.pins:  # "current" is then the defaults plus these pins
+            from app import int8_gemv
+            int8_gemv.pin(read_pins(args.pins))
         pins = search_s21(args.shapes.split(","), [int(r) for r in args.rows.split(",")],
-                          {int(r) for r in args.full_rows.split(",")}, args.top, args.json, args.deadline_s)
+                          {int(r) for r in args.full_rows.split(",")}, args.top, args.json, args.deadline_s,
+                          args.search)
         print("pins " + json.dumps(pins), flush=True)
         if args.pins_out:
             with open(args.pins_out, "w") as f:
