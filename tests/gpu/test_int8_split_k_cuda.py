@@ -22,7 +22,7 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.float() - ref).abs().max().item() / ref.abs().max().item()
 
 
-@pytest.mark.parametrize("form", ["atomic", "reduce", "atomic-swap", "atomic-aligned", "fma"])
+@pytest.mark.parametrize("form", ["atomic", "reduce", "atomic-swap", "atomic-aligned", "atomic-aligned-ns2", "fma"])
 @pytest.mark.parametrize("n,k", SHAPES_1B + [(40, 1024)])
 def test_int8_split_k_equals_the_dequantised_matmul(n: int, k: int, form: str) -> None:
     from app.fast_llama import _int8_matmul, quantize_int8
