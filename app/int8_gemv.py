@@ -285,7 +285,20 @@ H200_1B_SPLIT_K_SESSION20: dict[tuple[int, int, int], BlockConfig] = {
     **{(2048, 2048, m): (32, 128, 4, 4, "atomic") for m in (4, 5, 6)},  # wo: 128 -> 256
     **{(2048, 8192, m): (32, 256, 4, 4, "atomic") for m in (4, 5, 6)},  # w_down: 128 -> 256
 }
-H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {**H200_1B_SPLIT_K_SESSION20}
+# Session 21 (`python3 -m bench.gpu_split_k --search s21` then `--search s21b`, two runs on one H200 lend, cold
+# weights; bench/RESULTS.md section 2): the split-K kernel's K offsets had lost their alignment (Triton knows K
+# only as a multiple of 16, so K // SPLIT_K was a multiple of 4: 4-byte int8 loads); "-aligned" tells the
+# compiler. 5 rows, µs: wqkv 6.15 -> 5.75-5.80, wo 5.42 -> 5.14, w_down 10.81 -> 8.60 (now 8 splits),
+# w_gate_up 12.5 -> 12.0 (the split-K kernel unsplit, 64x256 blocks, against the few-row kernel's 32x128).
+# Pinned for 3-8 rows (rows 3, 7, 8 autotuned before). lm_head: 64x256 unsplit was within 1 % of the pin at
+# 4-6 rows (not pinned there), pinned at 3, 7, 8. The fma form (_int8_fma_kernel) lost 1.6-4x on every shape.
+H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {
+    **{(3072, 2048, m): (32, 128, 4, 4, "atomic-aligned") for m in range(3, 9)},  # wqkv
+    **{(2048, 2048, m): (32, 256, 4, 4, "atomic-aligned") for m in range(3, 9)},  # wo
+    **{(2048, 8192, m): (32, 256, 4, 8, "atomic-aligned") for m in range(3, 9)},  # w_down: 4 -> 8 splits
+    **{(16384, 2048, m): (64, 256, 4, 1, "atomic-aligned") for m in range(3, 9)},  # w_gate_up, unsplit
+    **{(128256, 2048, m): (64, 256, 4, 1, "atomic-aligned") for m in (3, 7, 8)},  # lm_head
+}
 PINNED: dict[tuple[int, int, int], BlockConfig] = {**H200_1B_COLD, **H200_1B_SPLIT_K}
 SPLIT_K_ENABLED = True  # False: every split-K pin falls back to H200_1B_COLD's config (benches' "before")
 

@@ -61,6 +61,23 @@ def candidates_s21b(m: int, k: int) -> list[tuple]:
     return [(*d, "atomic-aligned" + ns) for d in DOT_S21B for ns in STAGES_S21B if not k % (d[3] * d[1])] if m >= 3 else []
 
 
+# session 21, third search (against the pins of the first two): the swapped dot with the K offsets aligned
+# (session 20 timed it unaligned), and more tiles and pipeline depths around the winners
+SWAP_S21C = [(bn, bk, w, s) for bn, bk, w in ((64, 128, 4), (64, 256, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4))
+             for s in (1, 2, 4, 8)]
+DOT_S21C = [(32, 128, 4, 4), (32, 256, 4, 4), (64, 64, 4, 8), (32, 256, 4, 8), (32, 128, 4, 8), (64, 256, 4, 1),
+            (64, 128, 4, 1), (64, 512, 4, 1), (128, 256, 8, 1), (64, 256, 8, 1), (64, 256, 4, 2), (32, 512, 4, 4),
+            (32, 512, 4, 2), (32, 512, 4, 8)]
+
+
+def candidates_s21c(m: int, k: int) -> list[tuple]:
+    if m < 3:
+        return []
+    return ([(*d, "atomic-swap-aligned") for d in SWAP_S21C if not k % (d[3] * d[1])]
+            + [(*d, "atomic-aligned" + ns) for d in DOT_S21C for ns in ("", "-ns1", "-ns2", "-ns3", "-ns5")
+               if not k % (d[3] * d[1])])
+
+
 def candidates_s21(m: int, k: int) -> list[tuple]:
     """Session 21's configs for m rows and inner size k (those that divide k)."""
     out = [(bn, bk, w, s, "fma") for bn, bk, w in FMA_BLOCKS for s in (1, 2, 4) if not k % (s * bk)
@@ -215,7 +232,8 @@ def search_s21(shapes: list[str], rows: list[int], full_rows: set[int], top: int
             base = [("current", current)] if current else []
             if int8_gemv.H200_1B_COLD.get((n, k, m)) not in (None, current):
                 base.append(("unsplit", int8_gemv.H200_1B_COLD[(n, k, m)]))
-            cands = {label_of(c): c for c in (candidates_s21b if which == "s21b" else candidates_s21)(m, k)}
+            pick = {"s21": candidates_s21, "s21b": candidates_s21b, "s21c": candidates_s21c}[which]
+            cands = {label_of(c): c for c in pick(m, k)}
             if m not in full_rows and ranked:
                 cands = {lb: cands[lb] for lb in ranked[:top] if lb in cands}
             row = {"shape": name, "n": n, "k": k, "m": m, "current_config": current, "us": {}, "bad": {}}
@@ -267,8 +285,8 @@ def main() -> None:
     ap.add_argument("--before", default="", metavar="session20|PATH",
                     help="--loop-steps: time this pin table (before_pins) against the defaults (plus --pins) "
                          "instead of split-K off / on")
-    ap.add_argument("--search", default="", choices=["", "s21", "s21b"],
-                    help="session 21's candidates (search_s21): s21 the first set, s21b the second")
+    ap.add_argument("--search", default="", choices=["", "s21", "s21b", "s21c"],
+                    help="session 21's candidates (search_s21): s21 the first set, s21b the second, s21c the third")
     ap.add_argument("--full-rows", default="5", help="--search: rows that try every candidate")
     ap.add_argument("--top", type=int, default=10, help="--search: other rows try the full rows' best this many")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="--search: stop starting rows after this long")
