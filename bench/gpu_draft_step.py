@@ -119,7 +119,7 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
     """The 1B draft's one-token forward over R rows (as the branching draft steps its rows), per
     variant (bf16; int8 with the few-row kernel `int8-triton` or Inductor's `int8-inductor`; a `:in-place`
     suffix reads the caches in place for 2+ rows, app/rows_attention.py; `:no-split-k` launches the unsplit
-    configs where split-K ones are pinned, app/int8_gemv.py): one
+    configs where split-K ones are pinned, app/int8_gemv.py; `:session20` session 20's pins): one
     CUDA graph's time per forward and its kernels' GPU time by name (eager, torch.profiler)."""
     from app import int8_gemv
     from app.fast_llama import FastLlama
@@ -127,10 +127,14 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
     from bench.gpu_int8_gemv import micros
 
     hf, out = random_llama("1b"), []
+    defaults = dict(int8_gemv.PINNED)
     for variant in variants:
         gemms, *flags = variant.split(":")
         weights, _, few = gemms.partition("-")
         int8_gemv.use_split_k("no-split-k" not in flags)  # read at each launch, i.e. when a graph is captured
+        int8_gemv.PINNED.clear()  # ":session20": session 20's pins (the defaults before session 21)
+        int8_gemv.PINNED.update({**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K_SESSION20}
+                                if "session20" in flags else defaults)
         fd = FastLlama(hf, max_batch=max(rows), max_len=512, attention="grouped", weights=weights,
                        compile_elementwise=True, int8_few_rows=few or "triton",
                        decode_attention="triton" if "in-place" in flags else "matmul")
@@ -147,6 +151,8 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
         del fd
         torch.cuda.empty_cache()
     int8_gemv.use_split_k(True)
+    int8_gemv.PINNED.clear()
+    int8_gemv.PINNED.update(defaults)
     return out
 
 

@@ -283,8 +283,8 @@ def main() -> None:
     ap.add_argument("--pins", default="", help="--loop-steps, --search: load these pins first (bench.gpu_draft_step "
                                                "--pins; with --before or --search: comma-separated files)")
     ap.add_argument("--before", default="", metavar="session20|PATH",
-                    help="--loop-steps: time this pin table (before_pins) against the defaults (plus --pins) "
-                         "instead of split-K off / on")
+                    help="--loop-steps: time this pin table (before_pins) against the defaults (and the defaults "
+                         "plus --pins) instead of split-K off / on")
     ap.add_argument("--search", default="", choices=["", "s21", "s21b", "s21c"],
                     help="session 21's candidates (search_s21): s21 the first set, s21b the second, s21c the third")
     ap.add_argument("--full-rows", default="5", help="--search: rows that try every candidate")
@@ -308,9 +308,9 @@ def main() -> None:
         variants = None
         if args.before:
             from app import int8_gemv
-            after = {**int8_gemv.PINNED, **(read_pins(args.pins) if args.pins else {})}
-            variants = [(f"before ({args.before})", before_pins(args.before)),
-                        ("after (defaults" + (f" + {args.pins})" if args.pins else ")"), after)]
+            variants = [(f"before ({args.before})", before_pins(args.before)), ("after (defaults)", dict(int8_gemv.PINNED))]
+            if args.pins:
+                variants.append((f"after (defaults + {args.pins})", {**int8_gemv.PINNED, **read_pins(args.pins)}))
         elif args.pins:
             from bench.gpu_draft_step import load_pins
             load_pins(args.pins)
