@@ -76,8 +76,14 @@ class ModeArbiterConfig(BaseModel):
     settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
     base_share: float = Field(0.05, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader")
     min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
-    far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a probe under this share of the leader halves its share")
-    switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only above this share of the leader")
+    far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a mode surely under this share of the leader "
+                                                               "(mean ratio + far_z standard errors) halves its share")
+    switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only when surely above this share of "
+                                                          "the leader (mean ratio - switch_z standard errors)")
+    switch_z: float = Field(0.5, ge=0.0, description="standard errors of the mean ratio a new leader must clear")
+    far_z: float = Field(2.0, ge=0.0, description="standard errors by which a mode must be under far_ratio")
+    probe_cv: float = Field(0.2, gt=0.0, description="prior spread of one probe's ratio (its coefficient of "
+                                                     "variation; ~0.2 for 0.25-s probes at one stream, run AP-diag)")
     half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
                                                               "for display (snapshot); decisions use paired ratios")
     stale_after_s: float = Field(5.0, gt=0.0, description="a bucket unmeasured this long has no current leader "
@@ -98,10 +104,15 @@ class _ModeStats:
     share: float  # time share its probes may take of the leader's time
     tokens: float = 0.0  # decayed sum of output tokens over its measured steps (display)
     seconds: float = 0.0  # ... and of their wall seconds
-    won: float = 0.0  # paired evidence: time-decayed output tokens of its probes ...
-    par: float = 0.0  # ... and what the leader made in as many seconds around each probe
-    evidence_t: float = 0.0  # clock time `won` and `par` were last decayed to
+    # paired evidence: time-decayed sums over its probes of weight d, d^2, d * ratio, d * ratio^2, where
+    # ratio = the probe's goodput / the leader's around it
+    n: float = 0.0
+    n_sq: float = 0.0
+    r_sum: float = 0.0
+    r_sq_sum: float = 0.0
+    evidence_t: float = 0.0  # clock time the sums were last decayed to
     steps: int = 0  # measured steps, undecayed
+    pairings: int = 0  # probes (and forced windows) paired with the leader, undecayed
     waited_s: float = 0.0  # leader seconds since it was last measured
     probe_s: float = 0.0  # wall seconds its last probe took (settling included)
 
@@ -111,8 +122,18 @@ class _ModeStats:
 
     @property
     def ratio(self) -> float | None:
-        """Its goodput over the leader's, measured side by side in time; None before any pair."""
-        return self.won / self.par if self.par > 0 else None
+        """Its goodput over the leader's, measured side by side in time (mean over probes); None before any pair."""
+        return self.r_sum / self.n if self.n > 0 else None
+
+    def variance(self, prior_cv: float) -> float:
+        """One probe's ratio variance: the probes' own, shrunk towards the prior by one pseudo-probe."""
+        mean = self.r_sum / self.n
+        sample = max(self.r_sq_sum / self.n - mean * mean, 0.0)
+        return (sample * self.n + (prior_cv * mean) ** 2) / (self.n + 1.0)
+
+    def std_error(self, prior_cv: float) -> float:
+        """Of the mean ratio, with the effective number of probes (n^2 / n_sq) of the decayed weights."""
+        return (self.variance(prior_cv) * self.n_sq) ** 0.5 / self.n
 
     def due(self) -> bool:
         return self.waited_s > 0 and self.waited_s * self.share >= self.probe_s
@@ -155,6 +176,8 @@ class _Bucket:
     settle_left: int = 0
     probes: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
+    pairs: deque = field(default_factory=lambda: deque(maxlen=8))  # the last pairings, for the snapshot
+    forced: dict[str, _Window] = field(default_factory=dict)  # forced traffic's steps of a non-leader, gathered
 
 
 class ModeArbiter:
@@ -173,6 +196,7 @@ class ModeArbiter:
         if b.last_t is not None and now - b.last_t > self.config.stale_after_s:
             b.recent.clear()  # a lull or another benchmark cell: what the leader measured is another time's
             b.probe = None
+            b.forced.clear()
         return b
 
     def _enough(self, w: _Window) -> bool:
@@ -214,19 +238,23 @@ class ModeArbiter:
 
     def _decay_evidence(self, s: _ModeStats, now: float) -> None:
         f = 0.5 ** (max(now - s.evidence_t, 0.0) / self.config.evidence_half_life_s)
-        s.won, s.par, s.evidence_t = s.won * f, s.par * f, now
+        s.n, s.r_sum, s.r_sq_sum, s.n_sq, s.evidence_t = s.n * f, s.r_sum * f, s.r_sq_sum * f, s.n_sq * f * f, now
 
     def _pair(self, b: _Bucket, mode: StepMode, during: _Window, leader_goodput: float, now: float) -> None:
         """Evidence for `mode` against the leader, then its judgement: the mode takes the lead when
         clearly above it; a mode clearly worse is probed half as much, one close or better at the base share."""
-        s = b.stats[mode]
+        s, c = b.stats[mode], self.config
         if leader_goodput <= 0 or during.seconds <= 0:
             return
         self._decay_evidence(s, now)
-        s.won, s.par = s.won + during.tokens, s.par + during.seconds * leader_goodput
-        s.waited_s = 0.0
-        s.share = max(s.share / 2, self.config.min_share) if s.ratio < self.config.far_ratio else self.config.base_share
-        if s.ratio > self.config.switch_ratio:
+        r = during.goodput / leader_goodput
+        s.n, s.n_sq, s.r_sum, s.r_sq_sum = s.n + 1.0, s.n_sq + 1.0, s.r_sum + r, s.r_sq_sum + r * r
+        s.waited_s, s.pairings = 0.0, s.pairings + 1
+        se = s.std_error(c.probe_cv)
+        # one probe is noisy (a 0.25-s probe at one stream spread ~20 %): a share is cut, and the lead
+        # moves, only on the mean of the probes and its standard error
+        s.share = max(s.share / 2, c.min_share) if s.ratio + c.far_z * se < c.far_ratio else c.base_share
+        if s.ratio - c.switch_z * se > c.switch_ratio:
             self._switch(b, mode, now)
 
     def _switch(self, b: _Bucket, new: StepMode, now: float) -> None:
@@ -234,15 +262,19 @@ class ModeArbiter:
         old, n = b.stats[b.leader], b.stats[new]
         for s in b.stats.values():
             self._decay_evidence(s, now)
-        r = n.ratio
+        r, var = n.ratio, n.variance(self.config.probe_cv)
         for m in MODES:
             if m not in (b.leader, new):
-                b.stats[m].par *= r
-        old.won, old.par = n.par, n.won  # the same evidence, read the other way round
+                x = b.stats[m]
+                x.r_sum, x.r_sq_sum = x.r_sum / r, x.r_sq_sum / (r * r)
+        # the same evidence read the other way round: mean 1/r, spread var/r^4 (to first order)
+        old.n, old.n_sq = n.n, n.n_sq
+        old.r_sum, old.r_sq_sum = n.n / r, n.n * (1.0 / (r * r) + var / r ** 4)
         old.waited_s, old.share = 0.0, self.config.base_share
         old.probe_s = max(old.probe_s, self.config.probe_min_s)
-        n.won = n.par = 0.0
+        n.n = n.n_sq = n.r_sum = n.r_sq_sum = 0.0
         b.leader, b.probe = new, None
+        b.forced.clear()
         b.recent.clear()  # the new leader's figure is measured from now on
 
     def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True) -> None:
@@ -280,11 +312,19 @@ class ModeArbiter:
                 p.after.add(tokens, seconds)
                 if self._enough(p.after):
                     b.probe = None
+                    b.pairs.append((p.mode, round(p.during.goodput, 1), round(p.before.goodput, 1),
+                                    round(p.after.goodput, 1), p.during.steps))
                     self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
-        elif not chosen:  # forced traffic measured a non-leader: paired with the leader's latest figure
-            before = self._leader_window(b)
-            if self._enough(before):
-                self._pair(b, mode, _Window(tokens, seconds, 1), before.goodput, now)
+        elif not chosen:  # forced traffic measured a non-leader: gathered to a probe's length, paired
+            before = self._leader_window(b)  # with the leader's latest figure, if it has a fresh one
+            if not self._enough(before):
+                b.forced.pop(mode, None)
+                return
+            w = b.forced.setdefault(mode, _Window())
+            w.add(tokens, seconds)
+            if self._enough(w):
+                del b.forced[mode]
+                self._pair(b, mode, w, before.goodput, now)
                 s.probe_s = max(s.probe_s, c.probe_min_s)  # that is its probe, as long as it lasts
 
     def snapshot(self) -> dict[str, dict]:
@@ -297,9 +337,11 @@ class ModeArbiter:
                 "ratio": {m: 1.0 if m == b.leader else (round(r, 3) if (r := b.stats[m].ratio) is not None else None)
                           for m in MODES},
                 "measured_steps": {m: b.stats[m].steps for m in MODES},
+                "pairings": {m: b.stats[m].pairings for m in MODES},
                 "steps": dict(b.steps_by_mode),
                 "probe_share": {m: round(b.stats[m].share, 4) for m in MODES},
                 "probes": b.probes,
+                "last_pairs": [list(p) for p in b.pairs],  # probes: (mode, its goodput, the leader's before, after, steps)
             }
             for key, b in sorted(self._buckets.items())
         }

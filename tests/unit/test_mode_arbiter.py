@@ -143,7 +143,8 @@ def test_the_lead_follows_a_true_ratio_under_a_host_that_drifts_every_step() -> 
     arb = arbiter(probe_min_steps=4, probe_min_s=0.2, settle_steps=1)
     base = {"plan": 100.0, "on": 93.0, "off": 107.0}  # 'off' wins by 7 %; the host's speed swings +-40 %
     speed = lambda: 1.0 + 0.4 * math.sin(arb._clock.t / 7.0)  # noqa: E731
-    chosen = run(arb, 4000, lambda m: base[m] * speed(), step_s=0.05)
+    run(arb, 1000, lambda m: base[m] * speed(), step_s=0.05)  # ~5 probes of each mode to be sure
+    chosen = run(arb, 3000, lambda m: base[m] * speed(), step_s=0.05)
     snap = arb.snapshot()["b4"]
     assert snap["leader"] == "off", snap
     assert chosen["off"] / sum(chosen.values()) > 0.85
@@ -181,6 +182,45 @@ def test_forced_traffic_is_paired_only_with_a_leader_measured_lately() -> None:
         observe(arb, 8, "off", 15, 0.1, chosen=False)  # 150 tok/s forced 'off' while 'plan' leads at 100
     snap = arb.snapshot()["b8"]
     assert snap["leader"] == "off" and snap["ratio"]["plan"] < 0.9, snap  # the forced traffic's evidence won
+
+
+def pairs_of(arb: ModeArbiter, mode: str, bucket: str = "b4") -> int:
+    snap = arb.snapshot()
+    return snap[bucket]["pairings"][mode] if bucket in snap else 0
+
+
+def test_one_lucky_probe_does_not_take_the_lead_two_do() -> None:
+    """A probe's ratio spreads ~20 % at one stream: the lead moves on the mean less half a standard error."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, base_share=0.2, min_share=0.2)
+    rates = {"plan": 100.0, "on": 108.0, "off": 80.0}
+    while pairs_of(arb, "on") < 1:
+        run(arb, 1, rates.__getitem__)
+    assert arb.snapshot()["b4"]["leader"] == "plan"  # 1.08 - 0.5 * 0.15 < 1.01
+    while pairs_of(arb, "on") < 2 and arb.snapshot()["b4"]["leader"] == "plan":
+        run(arb, 1, rates.__getitem__)
+    assert arb.snapshot()["b4"]["leader"] == "on"
+
+
+def test_one_bad_probe_does_not_shut_a_mode_out() -> None:
+    """The old rule halved a mode's share on every probe under far_ratio; with noisy probes one bad
+    one started a slide to the floor (run AP: 'off' at 0.005 at one stream, where 'off' won)."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, base_share=0.1)
+    first = {"off": True}
+
+    def rates(m: str) -> float:
+        if m == "off" and first["off"]:
+            return 60.0  # its first probe is unlucky
+        return 100.0
+
+    while pairs_of(arb, "off") < 1:
+        run(arb, 1, rates)
+    first["off"] = False
+    assert arb.snapshot()["b4"]["probe_share"]["off"] == 0.05  # halved once
+    while pairs_of(arb, "off") < 2:
+        run(arb, 1, rates)
+    assert arb.snapshot()["b4"]["probe_share"]["off"] == 0.1  # back at the base: not surely worse
+    run(arb, 3000, rates)
+    assert arb.snapshot()["b4"]["probe_share"]["off"] == 0.1
 
 
 def test_batch_buckets_are_separate() -> None:
