@@ -25,6 +25,12 @@ resets its counter: one kernel, and the workspace is zero again after every laun
 needs no zero_ kernel. The sum's order varies from launch to launch (fp32 rounding, then bf16).
 "reduce" writes the partials to a `[SPLIT_K, M, N]` buffer and a second small kernel sums them in a
 fixed order: deterministic, one more launch.
+
+Form flags (session 21): "-aligned" tells the compiler that the K offsets are multiples of BLOCK_K (the host
+checks K % (SPLIT_K * BLOCK_K) == 0; Triton knew K only as a multiple of 16, so K // SPLIT_K was a multiple of
+16 / SPLIT_K and the int8 loads narrower than 16 bytes): w_down at 5 rows 10.8 -> 8.6 us with 8 splits. "-nsN"
+sets num_stages. The "fma" form (_int8_fma_kernel, thin blocks without tensor cores, one accumulator per row)
+is correct but lost 1.6-4x on every 1B shape (bench/RESULTS.md section 2, session 21), so nothing pins it.
 """
 
 from __future__ import annotations
