@@ -171,6 +171,7 @@ class _Bucket:
     leader: StepMode = "plan"
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # the leader's measured steps: (tokens, s)
     last_t: float | None = None  # clock time of the bucket's last step
+    leader_t: float | None = None  # clock time of the leader's last measured step
     probe: _Probe | None = None
     probe_steps: int = 0  # steps (settling included) the running probe has run
     settle_left: int = 0
@@ -202,9 +203,13 @@ class ModeArbiter:
     def _enough(self, w: _Window) -> bool:
         return w.steps >= self.config.probe_min_steps and w.seconds >= self.config.probe_min_s
 
-    def _leader_window(self, b: _Bucket) -> _Window:
-        """The leader's latest measured steps, as few as make a probe's length."""
+    def _leader_window(self, b: _Bucket, now: float) -> _Window:
+        """The leader's latest measured steps, as few as make a probe's length; none when the leader
+        went unmeasured stale_after_s (the bucket may have run forced traffic meanwhile)."""
         w = _Window()
+        if b.leader_t is None or now - b.leader_t > self.config.stale_after_s:
+            b.recent.clear()
+            return w
         for tokens, seconds in reversed(b.recent):
             w.add(tokens, seconds)
             if self._enough(w):
@@ -222,7 +227,7 @@ class ModeArbiter:
             p.running = False  # now the leader's window after it
         if b.probe is not None:
             return b.leader
-        before = self._leader_window(b)
+        before = self._leader_window(b, now)
         if not self._enough(before):  # the leader first: a probe is only worth its pairing
             return b.leader
         others = [m for m in MODES if m != b.leader]
@@ -304,6 +309,7 @@ class ModeArbiter:
             p.during.add(tokens, seconds)
         elif mode == b.leader:
             b.recent.append((tokens, seconds))
+            b.leader_t = now
             if chosen:  # exploiting: the other modes wait longer since their last measurement
                 for m in MODES:
                     if m != mode:
@@ -316,7 +322,7 @@ class ModeArbiter:
                                     round(p.after.goodput, 1), p.during.steps))
                     self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
         elif not chosen:  # forced traffic measured a non-leader: gathered to a probe's length, paired
-            before = self._leader_window(b)  # with the leader's latest figure, if it has a fresh one
+            before = self._leader_window(b, now)  # with the leader's latest figure, if it has a fresh one
             if not self._enough(before):
                 b.forced.pop(mode, None)
                 return

@@ -223,6 +223,18 @@ def test_one_bad_probe_does_not_shut_a_mode_out() -> None:
     assert arb.snapshot()["b4"]["probe_share"]["off"] == 0.1
 
 
+def test_a_forced_cell_after_the_leader_stopped_is_not_paired_with_its_old_figure() -> None:
+    """Run AQ's bug: the leader's figure was dropped only after the *bucket* sat idle, so a forced
+    cell right after an auto cell kept pairing with the auto cell's last leader window for minutes."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.25, settle_steps=0, stale_after_s=5.0)
+    run(arb, 400, {"plan": 100.0, "on": 100.0, "off": 100.0}.__getitem__, batch=1, step_s=0.05)
+    before = arb.snapshot()["b1"]["pairings"]["off"]
+    for _ in range(1200):  # 60 s of forced 'off' steps in the same bucket, the leader not running
+        observe(arb, 1, "off", 3, 0.05, chosen=False)
+    # only the first ~5 s pair (windows of >= 0.25 s): at most 20 pairings, not 240
+    assert arb.snapshot()["b1"]["pairings"]["off"] - before <= 20
+
+
 def test_batch_buckets_are_separate() -> None:
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
     arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0)
