@@ -43,8 +43,10 @@ afresh, and a mode takes the lead only right after a probe paired it with the le
 change of leader every ratio is re-expressed against the new one.
 
 Steps whose batch is all forced the same way (every sequence 'on' at the default k, or every
-sequence 'off') are measurements of that arm too, and count as its probe: a live service learns
-from the fixed policies' own traffic, when the leader was measured within `stale_after_s`.
+sequence 'off') update that mode's displayed goodput only. Pairing them with the leader's latest
+window (run AR, b602809) misled the arbiter: in the benchmark a forced cell starts right after an
+auto cell, and its first seconds were paired with the auto cell's last leader window, across the
+cell boundary; 104 such pairings made 'off' the leader at 4 streams, where 'on' won by 15 %.
 
 Single-threaded and Ray-free: the engine thread calls `mode` before planning a step and `observe`
 after it; time comes from an injected clock (tests drive a fake one).
@@ -112,7 +114,7 @@ class _ModeStats:
     r_sq_sum: float = 0.0
     evidence_t: float = 0.0  # clock time the sums were last decayed to
     steps: int = 0  # measured steps, undecayed
-    pairings: int = 0  # probes (and forced windows) paired with the leader, undecayed
+    pairings: int = 0  # probes paired with the leader, undecayed
     waited_s: float = 0.0  # leader seconds since it was last measured
     probe_s: float = 0.0  # wall seconds its last probe took (settling included)
 
@@ -178,7 +180,6 @@ class _Bucket:
     probes: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
     pairs: deque = field(default_factory=lambda: deque(maxlen=8))  # the last pairings, for the snapshot
-    forced: dict[str, _Window] = field(default_factory=dict)  # forced traffic's steps of a non-leader, gathered
 
 
 class ModeArbiter:
@@ -197,7 +198,6 @@ class ModeArbiter:
         if b.last_t is not None and now - b.last_t > self.config.stale_after_s:
             b.recent.clear()  # a lull or another benchmark cell: what the leader measured is another time's
             b.probe = None
-            b.forced.clear()
         return b
 
     def _enough(self, w: _Window) -> bool:
@@ -222,7 +222,9 @@ class ModeArbiter:
         b = self._bucket(batch_size, now)
         p = b.probe
         if p is not None and p.running:
-            if b.probe_steps < self.config.probe_min_steps or b.stats[p.mode].probe_s < self.config.probe_min_s:
+            # as many *measured* steps and seconds as the leader's windows (settling steps come on top);
+            # capped, so that a probe whose steps go unmeasured still ends
+            if not self._enough(p.during) and b.probe_steps < 4 * self.config.probe_min_steps + self.config.settle_steps:
                 return p.mode
             p.running = False  # now the leader's window after it
         if b.probe is not None:
@@ -279,7 +281,6 @@ class ModeArbiter:
         old.probe_s = max(old.probe_s, self.config.probe_min_s)
         n.n = n.n_sq = n.r_sum = n.r_sq_sum = 0.0
         b.leader, b.probe = new, None
-        b.forced.clear()
         b.recent.clear()  # the new leader's figure is measured from now on
 
     def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True) -> None:
@@ -321,17 +322,6 @@ class ModeArbiter:
                     b.pairs.append((p.mode, round(p.during.goodput, 1), round(p.before.goodput, 1),
                                     round(p.after.goodput, 1), p.during.steps))
                     self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
-        elif not chosen:  # forced traffic measured a non-leader: gathered to a probe's length, paired
-            before = self._leader_window(b, now)  # with the leader's latest figure, if it has a fresh one
-            if not self._enough(before):
-                b.forced.pop(mode, None)
-                return
-            w = b.forced.setdefault(mode, _Window())
-            w.add(tokens, seconds)
-            if self._enough(w):
-                del b.forced[mode]
-                self._pair(b, mode, w, before.goodput, now)
-                s.probe_s = max(s.probe_s, c.probe_min_s)  # that is its probe, as long as it lasts
 
     def snapshot(self) -> dict[str, dict]:
         """Per batch bucket: the leader, each mode's measured goodput (tok/s) and paired ratio to the

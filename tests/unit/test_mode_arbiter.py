@@ -171,19 +171,17 @@ def test_no_probe_before_the_leader_is_measured_afresh() -> None:
     assert modes[:5] == ["plan"] * 5 and set(modes[5:]) != {"plan"}, modes
 
 
-def test_forced_traffic_is_paired_only_with_a_leader_measured_lately() -> None:
+def test_forced_traffic_is_shown_but_never_paired() -> None:
+    """Run AR: forced cells paired with the previous auto cell's last leader window, across the
+    cell boundary, made 'off' the leader at 4 streams where 'on' won by 15 %."""
     arb = arbiter(probe_min_steps=2, probe_min_s=0.0, settle_steps=0, stale_after_s=5.0)
-    for _ in range(10):
-        observe(arb, 8, "off", 8, 0.1, chosen=False)  # no leader figure at all: nothing to pair with
-    assert arb.snapshot()["b8"]["ratio"]["off"] is None
     run(arb, 50, {"plan": 100.0, "on": 100.0, "off": 100.0}.__getitem__, batch=8, step_s=0.1)
-    arb._clock.t += 1.0
+    paired = arb.snapshot()["b8"]["pairings"]["off"]
     for _ in range(20):
         observe(arb, 8, "off", 15, 0.1, chosen=False)  # 150 tok/s forced 'off' while 'plan' leads at 100
     snap = arb.snapshot()["b8"]
-    assert snap["leader"] == "off" and snap["ratio"]["plan"] < 0.9, snap  # the forced traffic's evidence won
-
-
+    assert snap["goodput"]["off"] > 120  # it is measured and shown
+    assert snap["pairings"]["off"] == paired and snap["leader"] == "plan"  # but it moves nothing
 def pairs_of(arb: ModeArbiter, mode: str, bucket: str = "b4") -> int:
     snap = arb.snapshot()
     return snap[bucket]["pairings"][mode] if bucket in snap else 0
@@ -231,8 +229,7 @@ def test_a_forced_cell_after_the_leader_stopped_is_not_paired_with_its_old_figur
     before = arb.snapshot()["b1"]["pairings"]["off"]
     for _ in range(1200):  # 60 s of forced 'off' steps in the same bucket, the leader not running
         observe(arb, 1, "off", 3, 0.05, chosen=False)
-    # only the first ~5 s pair (windows of >= 0.25 s): at most 20 pairings, not 240
-    assert arb.snapshot()["b1"]["pairings"]["off"] - before <= 20
+    assert arb.snapshot()["b1"]["pairings"]["off"] == before
 
 
 def test_batch_buckets_are_separate() -> None:
