@@ -18,11 +18,10 @@ each of three modes, and runs the batch's adaptive sequences in the best one:
 - `off`:  every adaptive sequence decodes plainly (what forced 'off' does).
 
 Each arm that is not the leader is re-measured by a short probe (at least `probe_min_steps`
-steps and `probe_min_s` seconds), and probes are budgeted in *time*: after a probe that took T
-seconds, the next probe of that mode waits until the leader has run T / share seconds. The share
-starts at `base_share` and halves, down to `min_share`, each time a probe finds the mode clearly
-worse (under `far_ratio` of the leader); a probe that finds it close or better puts it back at the
-base. Why time, not steps: a step at 32 streams on the CPU app takes ~0.4 s against ~10 ms at one
+measured steps and `probe_min_s` seconds), and probes are budgeted in *time*: after a probe that
+took T seconds, the next probe of that mode waits until the leader has run T / share seconds. The
+share starts at `base_share` and halves, down to `min_share`, each time the probes find the mode
+surely worse (see below); otherwise it goes back to the base. Why time, not steps: a step at 32 streams on the CPU app takes ~0.4 s against ~10 ms at one
 stream, and a 16-s benchmark cell holds only ~40 steps there; probes of 24 steps every 96 (the
 first form of this module, run AM in bench/RESULTS.md section 7) spent, as estimated from the
 replica's step counts, about a third of auto's steps at 32 streams in modes ~30 % worse, and auto
@@ -31,14 +30,17 @@ after the mode changes are not measured: they pay the switch (the draft's catch-
 every token decoded plainly since a sequence last drafted), which a mode that stays does not pay;
 their time counts against the probe's budget all the same.
 
-A probe is judged against the leader measured just before it, not against the leader's figure
-from whenever: the evidence for a mode is its probes' output tokens over what the leader made in
-as many seconds at its goodput of that time (a ratio of time-decayed sums), so a host whose speed
-drifts (the 2-core CPU host's moved ~1.7x within one sweep, run AO) shifts both sides alike.
+A probe is judged against the leader measured just before and just after it (windows of as many
+measured steps and seconds), not against the leader's figure from whenever: one probe's ratio is
+its goodput over the mean of those two windows, so a host whose speed drifts (the 2-core CPU
+host's moved ~1.7x within one sweep, run AO) shifts both sides alike. A mode's evidence is the
+time-decayed mean of its probes' ratios with its standard error; one probe spreads ~20 % at one
+stream (run AP), so the lead moves only when mean - `switch_z` s.e. > `switch_ratio`, and a share
+is cut only when mean + `far_z` s.e. < `far_ratio`.
 The form of runs AN and AO compared each mode's own long-run goodput, and a stale figure from a faster
 period won against fresh ones (run AO: auto 0.93-0.94 of the better fixed policy at 1-4 streams).
-So the leader's goodput is a short average that is dropped when the bucket went unmeasured
-`stale_after_s` (a new benchmark cell, a lull), no probe starts before the leader is measured
+So the leader's figure is its latest window, dropped when the leader went unmeasured
+`stale_after_s` (a new benchmark cell, a lull, forced traffic), no probe starts before the leader is measured
 afresh, and a mode takes the lead only right after a probe paired it with the leader. On a
 change of leader every ratio is re-expressed against the new one.
 
@@ -46,7 +48,7 @@ Steps whose batch is all forced the same way (every sequence 'on' at the default
 sequence 'off') update that mode's displayed goodput only. Pairing them with the leader's latest
 window (run AR, b602809) misled the arbiter: in the benchmark a forced cell starts right after an
 auto cell, and its first seconds were paired with the auto cell's last leader window, across the
-cell boundary; 104 such pairings made 'off' the leader at 4 streams, where 'on' won by 15 %.
+cell boundary; 104 such pairings made 'off' the leader at 4 streams, where 'on' won by 26 %.
 
 Single-threaded and Ray-free: the engine thread calls `mode` before planning a step and `observe`
 after it; time comes from an injected clock (tests drive a fake one).

@@ -173,7 +173,7 @@ def test_no_probe_before_the_leader_is_measured_afresh() -> None:
 
 def test_forced_traffic_is_shown_but_never_paired() -> None:
     """Run AR: forced cells paired with the previous auto cell's last leader window, across the
-    cell boundary, made 'off' the leader at 4 streams where 'on' won by 15 %."""
+    cell boundary, made 'off' the leader at 4 streams where 'on' won by 26 %."""
     arb = arbiter(probe_min_steps=2, probe_min_s=0.0, settle_steps=0, stale_after_s=5.0)
     run(arb, 50, {"plan": 100.0, "on": 100.0, "off": 100.0}.__getitem__, batch=8, step_s=0.1)
     paired = arb.snapshot()["b8"]["pairings"]["off"]
