@@ -90,8 +90,8 @@ class ModeArbiterConfig(BaseModel):
                                                      "variation; ~0.2 for 0.25-s probes at one stream, run AP-diag)")
     half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
                                                               "for display (snapshot); decisions use paired ratios")
-    stale_after_s: float = Field(5.0, gt=0.0, description="a bucket unmeasured this long has no current leader "
-                                                          "figure: the leader is measured afresh before any probe")
+    stale_after_s: float = Field(5.0, gt=0.0, description="a leader unmeasured this long has no current figure: "
+                                                          "it is measured afresh before any probe")
     evidence_half_life_s: float = Field(120.0, gt=0.0, description="wall seconds over which a mode's paired ratio to "
                                                                    "the leader is averaged")
 
@@ -198,8 +198,8 @@ class ModeArbiter:
         if b is None:
             b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES})
         if b.last_t is not None and now - b.last_t > self.config.stale_after_s:
-            b.recent.clear()  # a lull or another benchmark cell: what the leader measured is another time's
-            b.probe = None
+            b.probe = None  # a lull or another benchmark cell: a probe's pairing would span it (the leader's
+            # window goes stale by itself, see _leader_window)
         return b
 
     def _enough(self, w: _Window) -> bool:
@@ -288,7 +288,7 @@ class ModeArbiter:
     def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True) -> None:
         """One finished step in `mode`: the batch's output `tokens` over its wall `seconds`
         (prefill of sequences that joined excluded). `chosen`: the mode came from `mode()`;
-        False: a batch forced all one way, a free measurement of that mode."""
+        False: a batch forced all one way, shown in that mode's goodput but never paired."""
         now, c = self._clock(), self.config
         b = self._bucket(batch_size, now)
         b.last_t = now

@@ -4,7 +4,7 @@ session 21's pins leave (one H200, bench.gpu_split_k --loop-steps 1,4,5,6 --befo
 and session 19's costs scaled by this run's after / before ratio. Session 20's absolute row for comparison.
 Run from the repository root: PYTHONPATH=. python3 bench/results/model-branching-session21.py (pure Python)."""
 import json
-from bench.overlap_bound import PassCosts, overlapped_ms_per_token, sequential_ms_per_token
+from bench.overlap_bound import PassCosts, best_overlapped, sequential_ms_per_token
 r = json.load(open('bench/results/gpu-branches-int8-inplace-h200x2-session19-seeds4-R56.json'))
 t_ver = {int(w): t for w, t in r['t_verify_8b_ms'].items()}
 t_seq = r['t_draft_ms_sequential_int8']
@@ -27,8 +27,7 @@ for name, rows in (("session-20 absolute", s20), ("s19 x s20 ratio x s21 ratio",
     for beta in (0.41, 0.52):
         cells = []
         for R in (4, 5, 6):
-            ms, k, L = min((overlapped_ms_per_token(a, k, L, PassCosts(t_verify=t_ver, t_draft=rows[R]), branch_hit=beta, branch_rows=R - 1), k, L)
-                           for k in range(1, max_k + 1) for L in range(1, k + 3))
+            ms, k, L = best_overlapped(a, PassCosts(t_verify=t_ver, t_draft=rows[R]), max_k, branch_hit=beta, branch_rows=R - 1)
             cells.append(f"R{R} {rows[R]:.3f}ms k{k} L{L}: {t_ver[1]/ms:.3f}x plain, {seq_ms/ms:.3f}x seq")
         print(f"{name:28} beta {beta}: " + " | ".join(cells))
 for R in (5, 6):
@@ -36,7 +35,6 @@ for R in (5, 6):
         lo, hi = 0.5, 1.3
         for _ in range(30):
             mid = (lo + hi) / 2
-            ms = min(overlapped_ms_per_token(a, k, L, PassCosts(t_verify=t_ver, t_draft=mid), branch_hit=beta, branch_rows=R - 1)
-                     for k in range(1, max_k + 1) for L in range(1, k + 3))
+            ms = best_overlapped(a, PassCosts(t_verify=t_ver, t_draft=mid), max_k, branch_hit=beta, branch_rows=R - 1)[0]
             (lo, hi) = (mid, hi) if seq_ms / ms >= 1.30 else (lo, mid)
         print(f"R {R} beta {beta}: 1.30x over sequential needs an R-row step <= {lo:.3f} ms")
