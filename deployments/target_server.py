@@ -214,7 +214,7 @@ class TargetServer:
                 self.metrics.record_step_mode(mode)
             self._mode_steps += 1
             if self._mode_steps % 2000 == 0:
-                log.info("step modes by batch bucket %s", self.arbiter.snapshot())
+                log.info("step modes by load bucket %s", self.arbiter.snapshot())
         self._step_mode, self._last_step_end = None, now
         if self._planned is not None:
             plan, candidates = self._planned

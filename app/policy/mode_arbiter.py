@@ -9,9 +9,10 @@ better fixed policy at every concurrency in two; in the others it under-drafted 
 Tuning the model's margin and calibrating its step time moved the misses around, not away.
 
 The issue asks for a router that is *never worse than the best fixed choice*. That is a bandit
-over arms, not a better model: so the engine keeps, per batch-size bucket, the goodput it really
+over arms, not a better model: so the engine keeps, per load bucket, the goodput it really
 measured (output tokens of the batch / wall seconds of the step, newcomers' prefill excluded) in
-each of three modes, and runs the batch's adaptive sequences in the best one:
+each of three modes, and runs the batch's adaptive sequences in the best one (a load bucket is that of the
+largest batch of the last `load_window_s`, see below):
 
 - `plan`: the step planner decides (its exploration, hold and depth choice included);
 - `on`:   every adaptive sequence drafts at the policy's default k (what forced 'on' does);
@@ -49,6 +50,12 @@ sequence 'off') update that mode's displayed goodput only. Pairing them with the
 window (run AR, b602809) misled the arbiter: in the benchmark a forced cell starts right after an
 auto cell, and its first seconds were paired with the auto cell's last leader window, across the
 cell boundary; 104 such pairings made 'off' the leader at 4 streams, where 'on' won by 26 %.
+
+A step is judged under its load, not its own batch size: in a closed loop of two streams 17 % of
+the steps run one sequence while the other stream's next request is routed and prefilled (run AS,
+bench/RESULTS.md section 7), and keyed by batch size those steps ran in bucket b1's mode, learned
+at one stream ('off'), where the 2-stream load drafts ('on' won by 21 %). The largest batch of the
+last `load_window_s` (1 s: tens of steps at low load, a few at 32 streams) names the load.
 
 Single-threaded and Ray-free: the engine thread calls `mode` before planning a step and `observe`
 after it; time comes from an injected clock (tests drive a fake one).
@@ -94,6 +101,9 @@ class ModeArbiterConfig(BaseModel):
                                                           "it is measured afresh before any probe")
     evidence_half_life_s: float = Field(120.0, gt=0.0, description="wall seconds over which a mode's paired ratio to "
                                                                    "the leader is averaged")
+    load_window_s: float = Field(1.0, ge=0.0, description="a step is judged in the bucket of its load: the largest "
+                                                          "batch of the last this many seconds, its own included "
+                                                          "(0: the step's own batch size)")
 
     @model_validator(mode="after")
     def _share_shrinks(self) -> "ModeArbiterConfig":
@@ -182,6 +192,7 @@ class _Bucket:
     probes: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
     pairs: deque = field(default_factory=lambda: deque(maxlen=8))  # the last pairings, for the snapshot
+    chosen_s: dict[str, float] = field(default_factory=lambda: {m: 0.0 for m in MODES})  # wall s of chosen steps
 
 
 class ModeArbiter:
@@ -191,9 +202,26 @@ class ModeArbiter:
         self._lambda = 0.5 ** (1.0 / self.config.half_life_steps)
         self._buckets: dict[int, _Bucket] = {}
         self._last_mode: StepMode | None = None  # the mode of the engine's last step, any bucket
+        # recent steps' (clock time, batch size), times increasing and sizes decreasing: a sliding
+        # window's maximum is its first unexpired entry
+        self._sizes: deque[tuple[float, int]] = deque()
+        self._step_load: int | None = None  # the load mode() judged this step under, for its observe()
 
-    def _bucket(self, batch_size: int, now: float) -> _Bucket:
-        key = batch_bucket(batch_size)
+    def _load(self, batch_size: int, now: float) -> int:
+        """The largest batch of the last load_window_s seconds, this one's included."""
+        if self.config.load_window_s <= 0:
+            return batch_size
+        while self._sizes and now - self._sizes[0][0] > self.config.load_window_s:
+            self._sizes.popleft()
+        return max(batch_size, self._sizes[0][1]) if self._sizes else batch_size
+
+    def _remember(self, batch_size: int, now: float) -> None:
+        while self._sizes and self._sizes[-1][1] <= batch_size:
+            self._sizes.pop()
+        self._sizes.append((now, batch_size))
+
+    def _bucket(self, load: int, now: float) -> _Bucket:
+        key = batch_bucket(load)
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES})
@@ -221,7 +249,8 @@ class ModeArbiter:
     def mode(self, batch_size: int) -> StepMode:
         """The mode this step of a batch of `batch_size` (with adaptive sequences) runs in."""
         now = self._clock()
-        b = self._bucket(batch_size, now)
+        self._step_load = self._load(batch_size, now)
+        b = self._bucket(self._step_load, now)
         p = b.probe
         if p is not None and p.running:
             # as many *measured* steps and seconds as the leader's windows (settling steps come on top);
@@ -290,9 +319,15 @@ class ModeArbiter:
         (prefill of sequences that joined excluded). `chosen`: the mode came from `mode()`;
         False: a batch forced all one way, shown in that mode's goodput but never paired."""
         now, c = self._clock(), self.config
-        b = self._bucket(batch_size, now)
+        # the bucket mode() chose in (a chosen step), else the load now; then this step joins the window
+        load = self._step_load if chosen and self._step_load is not None else self._load(batch_size, now)
+        self._step_load = None
+        self._remember(batch_size, now)
+        b = self._bucket(load, now)
         b.last_t = now
         b.steps_by_mode[mode] += 1
+        if chosen:
+            b.chosen_s[mode] += max(seconds, 0.0)
         s, p = b.stats[mode], b.probe
         in_probe = chosen and p is not None and p.running and mode == p.mode
         if in_probe:
@@ -326,7 +361,7 @@ class ModeArbiter:
                     self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
 
     def snapshot(self) -> dict[str, dict]:
-        """Per batch bucket: the leader, each mode's measured goodput (tok/s) and paired ratio to the
+        """Per load bucket (the largest batch of the last load_window_s): the leader, each mode's measured goodput (tok/s) and paired ratio to the
         leader, measured steps and probe shares."""
         return {
             f"b{key}": {
@@ -339,6 +374,7 @@ class ModeArbiter:
                 "steps": dict(b.steps_by_mode),
                 "probe_share": {m: round(b.stats[m].share, 4) for m in MODES},
                 "probes": b.probes,
+                "chosen_s": {m: round(v, 1) for m, v in b.chosen_s.items()},  # wall s of the arbiter's own steps
                 "last_pairs": [list(p) for p in b.pairs],  # probes: (mode, its goodput, the leader's before, after, steps)
             }
             for key, b in sorted(self._buckets.items())

@@ -241,6 +241,46 @@ def test_batch_buckets_are_separate() -> None:
     assert snap["b1"]["leader"] == "off" and snap["b16"]["leader"] == "on"
 
 
+def run_load(arb: ModeArbiter, steps: int, goodput: Callable[[str], float], streams: int, dip_every: int,
+             step_s: float = 0.02) -> Counter:
+    """A closed loop of `streams`: every `dip_every`-th step runs one sequence fewer (a stream's
+    next request is being prefilled). Counts the modes of those short steps."""
+    short: Counter = Counter()
+    for i in range(steps):
+        batch = streams - 1 if i % dip_every == dip_every - 1 else streams
+        mode = arb.mode(batch)
+        if batch < streams:
+            short[mode] += 1
+        observe(arb, batch, mode, goodput(mode) * step_s * batch / streams, step_s)
+    return short
+
+
+def test_a_step_is_judged_under_its_load_not_its_batch_size() -> None:
+    """Run AS at 2 streams: one step in six ran one sequence while the other stream's next request
+    was prefilled; keyed by its batch size it ran in b1's mode ('off', learned at one stream) where
+    the 2-stream load drafts. Keyed by the largest batch of the last second it runs b2's leader."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0)
+    run(arb, 600, {"plan": 900.0, "on": 800.0, "off": 1000.0}.__getitem__, batch=1, step_s=0.02)
+    assert arb.snapshot()["b1"]["leader"] == "off"
+    b1_steps = sum(arb.snapshot()["b1"]["steps"].values())
+    run_load(arb, 1200, {"plan": 1000.0, "on": 1500.0, "off": 1200.0}.__getitem__, streams=2, dip_every=6)
+    short = run_load(arb, 600, {"plan": 1000.0, "on": 1500.0, "off": 1200.0}.__getitem__, streams=2, dip_every=6)
+    snap = arb.snapshot()
+    assert snap["b2"]["leader"] == "on"
+    assert sum(snap["b1"]["steps"].values()) == b1_steps  # not one 2-stream step landed in b1
+    assert short["on"] >= 0.8 * sum(short.values())  # the short steps draft with the rest (probes aside)
+    # the load falls: after load_window_s the one-sequence steps are b1's again
+    arb._clock.t += 2.0
+    assert arb.mode(1) == "off"
+
+
+def test_load_window_zero_keys_by_the_steps_own_batch() -> None:
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, load_window_s=0.0)
+    run(arb, 600, {"plan": 900.0, "on": 800.0, "off": 1000.0}.__getitem__, batch=1, step_s=0.02)
+    short = run_load(arb, 1200, {"plan": 1000.0, "on": 1500.0, "off": 1200.0}.__getitem__, streams=2, dip_every=6)
+    assert short["off"] >= 0.8 * sum(short.values())  # b1's leader, as before load keying
+
+
 def test_fixed_modes_set_only_the_adaptive_sequences() -> None:
     caps, adaptive = [8, 2, 3, 0], [True, True, False, True]
     assert mode_ks("on", caps, adaptive, default_k=4) == [4, 2, 3, 0]
