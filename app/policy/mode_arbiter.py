@@ -37,7 +37,11 @@ its goodput over the mean of those two windows, so a host whose speed drifts (th
 host's moved ~1.7x within one sweep, run AO) shifts both sides alike. A mode's evidence is the
 time-decayed mean of its probes' ratios with its standard error; one probe spreads ~20 % at one
 stream (run AP), so the lead moves only when mean - `switch_z` s.e. > `switch_ratio`, and a share
-is cut only when mean + `far_z` s.e. < `far_ratio`.
+is cut only when mean + `far_z` s.e. < `far_ratio`. A mode's first `warm_pairings` probes in a
+bucket come at `warm_share` and it cannot take the lead before them: at 2 streams 0.25-s windows
+spread ~30 % and single probes at ratios of 1.14-1.47 moved the lead three times in the first
+minutes (run AT, ad5aaa3; auto 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead
+moves on three probes, gathered in the bucket's first seconds.
 The form of runs AN and AO compared each mode's own long-run goodput, and a stale figure from a faster
 period won against fresh ones (run AO: auto 0.93-0.94 of the better fixed policy at 1-4 streams).
 So the leader's figure is its latest window, dropped when the leader went unmeasured
@@ -46,7 +50,9 @@ afresh, and a mode takes the lead only right after a probe paired it with the le
 change of leader every ratio is re-expressed against the new one.
 
 Steps whose batch is all forced the same way (every sequence 'on' at the default k, or every
-sequence 'off') update that mode's displayed goodput only. Pairing them with the leader's latest
+sequence 'off') update that mode's displayed goodput only: they are neither a probe nor a window
+of the leader, and a probe that has gone `stale_after_s` without a step (the auto cell ended) is
+dropped rather than finished in the next one. Pairing them with the leader's latest
 window (run AR, b602809) misled the arbiter: in the benchmark a forced cell starts right after an
 auto cell, and its first seconds were paired with the auto cell's last leader window, across the
 cell boundary; 104 such pairings made 'off' the leader at 4 streams, where 'on' won by 26 %.
@@ -81,10 +87,16 @@ class ModeArbiterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="choose the step mode by measured goodput; False: the planner always")
-    probe_min_steps: int = Field(4, ge=1, description="a probe of a non-leading mode runs at least this many steps")
-    probe_min_s: float = Field(0.25, ge=0.0, description="... and at least this many seconds; the leader is measured "
-                                                         "as long before and after it, to pair with")
+    probe_min_steps: int = Field(8, ge=1, description="a probe of a non-leading mode runs at least this many steps "
+                                                      "(4-step windows at 32 streams differed up to 2x, run AT)")
+    probe_min_s: float = Field(1.0, ge=0.0, description="... and at least this many seconds; the leader is measured "
+                                                        "as long before and after it, to pair with (0.25 s windows "
+                                                        "spread ~30 % at 2 streams, run AT)")
     settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
+    warm_pairings: int = Field(3, ge=1, description="a mode's first this many pairings in a bucket are probed at "
+                                                    "warm_share, and it takes the lead only after them")
+    warm_share: float = Field(0.5, gt=0.0, le=1.0, description="time share of probes of a mode not yet paired "
+                                                               "warm_pairings times")
     base_share: float = Field(0.05, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader")
     min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
     far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a mode surely under this share of the leader "
@@ -149,8 +161,8 @@ class _ModeStats:
         """Of the mean ratio, with the effective number of probes (n^2 / n_sq) of the decayed weights."""
         return (self.variance(prior_cv) * self.n_sq) ** 0.5 / self.n
 
-    def due(self) -> bool:
-        return self.waited_s > 0 and self.waited_s * self.share >= self.probe_s
+    def due(self, share: float) -> bool:
+        return self.waited_s > 0 and self.waited_s * share >= self.probe_s
 
 
 @dataclass
@@ -177,6 +189,7 @@ class _Probe:
     during: _Window = field(default_factory=_Window)  # the probed mode's measured steps
     after: _Window = field(default_factory=_Window)  # the leader's first measured steps after it
     running: bool = True  # the probe's own steps are still running (else: measuring `after`)
+    last_t: float = 0.0  # clock time of its last step (its own or the leader's after it)
 
 
 @dataclass
@@ -225,10 +238,14 @@ class ModeArbiter:
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES})
-        if b.last_t is not None and now - b.last_t > self.config.stale_after_s:
-            b.probe = None  # a lull or another benchmark cell: a probe's pairing would span it (the leader's
-            # window goes stale by itself, see _leader_window)
+        if b.probe is not None and now - b.probe.last_t > self.config.stale_after_s:
+            b.probe = None  # a lull or forced traffic: its pairing would span it (the leader's window goes
+            # stale by itself, see _leader_window)
         return b
+
+    def _share(self, s: _ModeStats) -> float:
+        """The time share of a mode's probes: high until it is paired warm_pairings times."""
+        return self.config.warm_share if s.pairings < self.config.warm_pairings else s.share
 
     def _enough(self, w: _Window) -> bool:
         return w.steps >= self.config.probe_min_steps and w.seconds >= self.config.probe_min_s
@@ -265,11 +282,11 @@ class ModeArbiter:
             return b.leader
         others = [m for m in MODES if m != b.leader]
         unpaired = [m for m in others if b.stats[m].ratio is None]
-        due = unpaired or [m for m in others if b.stats[m].due()]  # every mode is paired once before the lead is trusted
+        due = unpaired or [m for m in others if b.stats[m].due(self._share(b.stats[m]))]
         if not due:
             return b.leader
-        mode = max(due, key=lambda m: b.stats[m].waited_s * b.stats[m].share)  # the longest-waiting first
-        b.probe, b.probe_steps = _Probe(mode, before), 0
+        mode = max(due, key=lambda m: b.stats[m].waited_s * self._share(b.stats[m]))  # the longest-waiting first
+        b.probe, b.probe_steps = _Probe(mode, before, last_t=now), 0
         b.stats[mode].probe_s = 0.0
         b.probes += 1
         return mode
@@ -292,7 +309,7 @@ class ModeArbiter:
         # one probe is noisy (a 0.25-s probe at one stream spread ~20 %): a share is cut, and the lead
         # moves, only on the mean of the probes and its standard error
         s.share = max(s.share / 2, c.min_share) if s.ratio + c.far_z * se < c.far_ratio else c.base_share
-        if s.ratio - c.switch_z * se > c.switch_ratio:
+        if s.pairings >= c.warm_pairings and s.ratio - c.switch_z * se > c.switch_ratio:
             self._switch(b, mode, now)
 
     def _switch(self, b: _Bucket, new: StepMode, now: float) -> None:
@@ -309,6 +326,7 @@ class ModeArbiter:
         old.n, old.n_sq = n.n, n.n_sq
         old.r_sum, old.r_sq_sum = n.n / r, n.n * (1.0 / (r * r) + var / r ** 4)
         old.waited_s, old.share = 0.0, self.config.base_share
+        old.pairings = max(old.pairings, n.pairings)  # the same evidence: no warm-up of the old leader
         old.probe_s = max(old.probe_s, self.config.probe_min_s)
         n.n = n.n_sq = n.r_sum = n.r_sq_sum = 0.0
         b.leader, b.probe = new, None
@@ -333,6 +351,7 @@ class ModeArbiter:
         if in_probe:
             b.probe_steps += 1
             s.probe_s += max(seconds, 0.0)
+            p.last_t = now
         if mode != self._last_mode:
             b.settle_left = c.settle_steps
         self._last_mode = mode
@@ -345,15 +364,15 @@ class ModeArbiter:
         s.tokens, s.seconds = s.tokens * self._lambda + tokens, s.seconds * self._lambda + seconds
         if in_probe:
             p.during.add(tokens, seconds)
-        elif mode == b.leader:
+        elif mode == b.leader and chosen:  # exploiting (forced steps are shown, never windows of a pairing)
             b.recent.append((tokens, seconds))
             b.leader_t = now
-            if chosen:  # exploiting: the other modes wait longer since their last measurement
-                for m in MODES:
-                    if m != mode:
-                        b.stats[m].waited_s += seconds
+            for m in MODES:  # the other modes wait longer since their last measurement
+                if m != mode:
+                    b.stats[m].waited_s += seconds
             if p is not None and not p.running:
                 p.after.add(tokens, seconds)
+                p.last_t = now
                 if self._enough(p.after):
                     b.probe = None
                     b.pairs.append((p.mode, round(p.during.goodput, 1), round(p.before.goodput, 1),
