@@ -97,14 +97,16 @@ class ModeArbiterConfig(BaseModel):
                                                     "warm_share, and it takes the lead only after them")
     warm_share: float = Field(0.5, gt=0.0, le=1.0, description="time share of probes of a mode not yet paired "
                                                                "warm_pairings times")
-    base_share: float = Field(0.05, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader")
+    base_share: float = Field(0.03, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader "
+                                                                "(0.05: probes took ~13 % of auto's time at 2 streams "
+                                                                "in modes 6-13 % worse, run AU)")
     min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
     far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a mode surely under this share of the leader "
                                                                "(mean ratio + far_z standard errors) halves its share")
     switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only when surely above this share of "
                                                           "the leader (mean ratio - switch_z standard errors)")
     switch_z: float = Field(0.5, ge=0.0, description="standard errors of the mean ratio a new leader must clear")
-    far_z: float = Field(2.0, ge=0.0, description="standard errors by which a mode must be under far_ratio")
+    far_z: float = Field(1.0, ge=0.0, description="standard errors by which a mode must be under far_ratio")
     probe_cv: float = Field(0.2, gt=0.0, description="prior spread of one probe's ratio (its coefficient of "
                                                      "variation; ~0.2 for 0.25-s probes at one stream, run AP-diag)")
     half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
