@@ -239,7 +239,12 @@ class ModeArbiter:
         key = batch_bucket(load)
         b = self._buckets.get(key)
         if b is None:
-            b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES})
+            # a new load starts led by the nearest load's leader (the planner when none): its warm-up
+            # then runs mostly in a mode likely right (run AU: led by the planner, the first two auto
+            # cells at 8 streams and at 16 ran at 0.7-0.8 of 'on' until the warm-up moved the lead)
+            near = min(self._buckets, key=lambda k: (abs(k.bit_length() - key.bit_length()), k), default=None)
+            b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES},
+                                             leader=self._buckets[near].leader if near is not None else "plan")
         if b.probe is not None and now - b.probe.last_t > self.config.stale_after_s:
             b.probe = None  # a lull or forced traffic: its pairing would span it (the leader's window goes
             # stale by itself, see _leader_window)

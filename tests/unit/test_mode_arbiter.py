@@ -258,6 +258,20 @@ def test_forced_steps_neither_finish_a_probe_nor_stand_for_the_leader() -> None:
     assert arb.snapshot()["b4"]["last_pairs"][-1][2:4] != [300.0, 300.0]
 
 
+def test_a_new_load_starts_led_by_the_nearest_loads_leader_and_still_checks_it() -> None:
+    """Run AU: every new load started led by the planner, and at 8 and 16 streams the first two auto
+    cells ran at 0.7-0.8 of 'on' until the warm-up moved the lead."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0)
+    run(arb, 400, {"plan": 100.0, "on": 150.0, "off": 80.0}.__getitem__, batch=4)
+    assert arb.snapshot()["b4"]["leader"] == "on"
+    first = run(arb, 4, {"plan": 100.0, "on": 150.0, "off": 80.0}.__getitem__, batch=8)
+    assert first["on"] == 4 and arb.snapshot()["b8"]["leader"] == "on"  # measured first, before any probe
+    run(arb, 30, {"plan": 100.0, "on": 150.0, "off": 80.0}.__getitem__, batch=1)  # b1: nearest is b2 -> b4's
+    assert arb.snapshot()["b1"]["leader"] == "on"
+    run(arb, 600, {"plan": 100.0, "on": 80.0, "off": 130.0}.__getitem__, batch=32)  # here the leader is wrong
+    assert arb.snapshot()["b32"]["leader"] == "off"
+
+
 def test_batch_buckets_are_separate() -> None:
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
     arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0)
