@@ -349,6 +349,14 @@ def app_overrides(streams: int, policy: dict | None = None) -> dict:
     return overrides
 
 
+def _head_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -367,6 +375,7 @@ def main() -> None:
 
     load_before = os.getloadavg()
     t0 = time.monotonic()
+    commit = _head_commit()  # at the start: the code the run measured (commits may land while it runs)
     app_ctx = None
     url = args.url
     if args.start:
@@ -396,11 +405,6 @@ def main() -> None:
     print(f"auto within 3% of the better fixed policy everywhere: {v['auto_within_3pct_everywhere']}; "
           f"above both somewhere: {v['auto_above_both_somewhere']}; "
           f"auto took the better fixed policy's mode everywhere: {v['auto_mode_matches_better_fixed_everywhere']}")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
     report = {
         "bench": "load",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
