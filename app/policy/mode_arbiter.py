@@ -39,8 +39,8 @@ time-decayed mean of its probes' ratios with its standard error; one probe sprea
 stream (run AP), so the lead moves only when mean - `switch_z` s.e. > `switch_ratio`, and a share
 is cut only when mean + `far_z` s.e. < `far_ratio`. A mode's first `warm_pairings` probes in a
 bucket come at `warm_share` and it cannot take the lead before them: at 2 streams 0.25-s windows
-spread ~30 % and single probes at ratios of 1.14-1.47 moved the lead three times in the first
-minutes (run AT, ad5aaa3; auto 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead
+spread ~30 % and single probes at ratios of 1.17 and 1.47 moved the lead (three moves in the first
+minutes; run AT, ad5aaa3; auto 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead
 moves on three probes, gathered in the bucket's first seconds.
 The form of runs AN and AO compared each mode's own long-run goodput, and a stale figure from a faster
 period won against fresh ones (run AO: auto 0.93-0.94 of the better fixed policy at 1-4 streams).
@@ -387,8 +387,8 @@ class ModeArbiter:
                     self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
 
     def snapshot(self) -> dict[str, dict]:
-        """Per load bucket (the largest batch of the last load_window_s): the leader, each mode's measured goodput (tok/s) and paired ratio to the
-        leader, measured steps and probe shares."""
+        """Per load bucket (the largest batch of the last load_window_s): the leader, each mode's
+        measured goodput (tok/s) and paired ratio to the leader, measured steps and probe shares."""
         return {
             f"b{key}": {
                 "leader": b.leader,

@@ -188,7 +188,7 @@ def pairs_of(arb: ModeArbiter, mode: str, bucket: str = "b4") -> int:
 
 
 def test_lucky_probes_do_not_take_the_lead_before_the_warm_up_ends() -> None:
-    """Run AT: at 2 streams single probes at ratios of 1.14-1.47 moved the lead three times; a mode
+    """Run AT: at 2 streams single probes at ratios of 1.17 and 1.47 moved the lead; a mode
     takes the lead only after warm_pairings probes, and then on their mean less half a standard error."""
     arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, base_share=0.2, min_share=0.2)
     rates = {"plan": 100.0, "on": 150.0, "off": 80.0}
