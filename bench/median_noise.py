@@ -39,7 +39,7 @@ def level_noise(cells: list[dict], level: int) -> tuple[float, float, int] | Non
     diff = [r["on"] - r["off"] for r in rounds]
     s_e = statistics.stdev(diff) / math.sqrt(2)
     means = [(r["on"] + r["off"]) / 2 for r in rounds]
-    s_d = math.sqrt(max(statistics.variance([m - statistics.mean(means) for m in means]) - s_e ** 2 / 2, 0.0))
+    s_d = math.sqrt(max(statistics.variance(means) - s_e ** 2 / 2, 0.0))
     return s_e, s_d, len(rounds)
 
 

@@ -199,7 +199,6 @@ class _Bucket:
     stats: dict[str, _ModeStats]
     leader: StepMode = "plan"
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # the leader's measured steps: (tokens, s)
-    last_t: float | None = None  # clock time of the bucket's last step
     leader_t: float | None = None  # clock time of the leader's last measured step
     probe: _Probe | None = None
     probe_steps: int = 0  # steps (settling included) the running probe has run
@@ -349,7 +348,6 @@ class ModeArbiter:
         self._step_load = None
         self._remember(batch_size, now)
         b = self._bucket(load, now)
-        b.last_t = now
         b.steps_by_mode[mode] += 1
         if chosen:
             b.chosen_s[mode] += max(seconds, 0.0)
