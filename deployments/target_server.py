@@ -148,7 +148,8 @@ class TargetServer:
                          if c.explore_every_steps else None)
         self.hold = PlainHold(c.plain_hold_steps)
         self.arbiter = ModeArbiter(c.mode_arbiter) if c.mode_arbiter.enabled else None
-        self._step_mode: tuple[StepMode, bool] | None = None  # this step's (mode, chosen by the arbiter), set in _plan_k
+        # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
+        self._step_mode: tuple[StepMode, bool, list[str]] | None = None
         self._last_step_end: float | None = None
         self._mode_steps = 0
         self.metrics = ServeMetrics()
@@ -164,10 +165,10 @@ class TargetServer:
             default_k = self.policy.config.default_k
             if not any(adaptive):
                 mode = forced_mode([seq.k for seq in batch], [seq.adaptive for seq in batch], default_k)
-                self._step_mode = (mode, False) if mode is not None else None
+                self._step_mode = (mode, False, [seq.seq_id for seq in batch]) if mode is not None else None
                 return caps
             mode = self.arbiter.mode(len(batch))
-            self._step_mode = (mode, True)
+            self._step_mode = (mode, True, [seq.seq_id for seq in batch])
             ks = mode_ks(mode, caps, adaptive, default_k)
             if ks is not None:
                 return ks
@@ -208,8 +209,8 @@ class TargetServer:
             gap = now - self._last_step_end - seconds if self._last_step_end is not None else 0.0
             wall = seconds - times.prefill + (gap if 0.0 <= gap <= max(0.05, seconds) else 0.0)
             tokens = sum(len(u.token_ids) for u in updates[:times.batch_size])  # the batch's updates come first
-            mode, chosen = self._step_mode
-            self.arbiter.observe(times.batch_size, mode, tokens, wall, chosen=chosen)
+            mode, chosen, seq_ids = self._step_mode
+            self.arbiter.observe(times.batch_size, mode, tokens, wall, chosen=chosen, seq_ids=seq_ids)
             if chosen:
                 self.metrics.record_step_mode(mode)
             self._mode_steps += 1

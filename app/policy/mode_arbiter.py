@@ -57,6 +57,19 @@ window (run AR, b602809) misled the arbiter: in the benchmark a forced cell star
 auto cell, and its first seconds were paired with the auto cell's last leader window, across the
 cell boundary; 104 such pairings made 'off' the leader at 4 streams, where 'on' won by 26 %.
 
+The planner is stateful, the fixed modes are not: what it decides for a sequence depends on that
+sequence's history (the draft's catch-up owed for tokens decoded plainly, its own acceptance
+record, the plain hold). After an 'on' probe every sequence owes no catch-up and the planner drafts
+as 'on' does; after an 'off' probe each owes a second of tokens and it stays plain as 'off' does.
+So a 'plan' window beside a probe measured the probe's mode again: at 8 streams (run AW) 'on' was
+paired at 1.01 of the planner, the leader's windows around the probes ran at 400-510 tok/s against
+the planner's 370-420 elsewhere, and the cells gave 'on' 10 % more. A 'plan' step is therefore
+measured only when every sequence in its batch has run in 'plan' alone since it joined (a probe of
+'plan' waits for the batch to turn over, and so does the planner's window after a probe of
+another mode); an 'on' or 'off' step owes its history only the catch-up, paid in the settling steps.
+A probe that cannot fill its window within `probe_max_s` (its own steps, or the leader's after
+it) is dropped unpaired, and the mode waits its share of that time before the next.
+
 A step is judged under its load, not its own batch size: in a closed loop of two streams 17 % of
 the steps run one sequence while the other stream's next request is routed and prefilled (run AS,
 bench/RESULTS.md section 7), and keyed by batch size those steps ran in bucket b1's mode, learned
@@ -71,7 +84,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -81,6 +94,7 @@ from .calibration import batch_bucket  # the same buckets as the planner's step-
 
 StepMode = Literal["plan", "on", "off"]
 MODES: tuple[StepMode, ...] = ("plan", "on", "off")
+HISTORY_DEPENDENT: frozenset[StepMode] = frozenset({"plan"})  # measured only on batches that ran in it alone
 
 
 class ModeArbiterConfig(BaseModel):
@@ -92,6 +106,10 @@ class ModeArbiterConfig(BaseModel):
     probe_min_s: float = Field(1.0, ge=0.0, description="... and at least this many seconds; the leader is measured "
                                                         "as long before and after it, to pair with (0.25 s windows "
                                                         "spread ~30 % at 2 streams, run AT)")
+    probe_max_s: float = Field(10.0, gt=0.0, description="a probe's own steps, and the leader's after it, that "
+                                                         "have not filled a window in this many seconds end it "
+                                                         "unpaired (a 'plan' window waits for the batch to turn "
+                                                         "over)")
     settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
     warm_pairings: int = Field(3, ge=1, description="a mode's first this many pairings in a bucket are probed at "
                                                     "warm_share, and it takes the lead only after them")
@@ -192,6 +210,7 @@ class _Probe:
     after: _Window = field(default_factory=_Window)  # the leader's first measured steps after it
     running: bool = True  # the probe's own steps are still running (else: measuring `after`)
     last_t: float = 0.0  # clock time of its last step (its own or the leader's after it)
+    phase_s: float = 0.0  # wall seconds of the current phase's steps (running, then after), measured or not
 
 
 @dataclass
@@ -201,7 +220,6 @@ class _Bucket:
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # the leader's measured steps: (tokens, s)
     leader_t: float | None = None  # clock time of the leader's last measured step
     probe: _Probe | None = None
-    probe_steps: int = 0  # steps (settling included) the running probe has run
     settle_left: int = 0
     probes: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
@@ -216,6 +234,8 @@ class ModeArbiter:
         self._lambda = 0.5 ** (1.0 / self.config.half_life_steps)
         self._buckets: dict[int, _Bucket] = {}
         self._last_mode: StepMode | None = None  # the mode of the engine's last step, any bucket
+        # the modes each running sequence has stepped in since it joined (the last step's batch)
+        self._seq_modes: dict[str, frozenset[StepMode]] = {}
         # recent steps' (clock time, batch size), times increasing and sizes decreasing: a sliding
         # window's maximum is its first unexpired entry
         self._sizes: deque[tuple[float, int]] = deque()
@@ -276,26 +296,49 @@ class ModeArbiter:
         b = self._bucket(self._step_load, now)
         p = b.probe
         if p is not None and p.running:
-            # as many *measured* steps and seconds as the leader's windows (settling steps come on top);
-            # capped, so that a probe whose steps go unmeasured still ends
-            if not self._enough(p.during) and b.probe_steps < 4 * self.config.probe_min_steps + self.config.settle_steps:
+            # as many *measured* steps and seconds as the leader's windows (settling steps, and 'plan'
+            # steps of a batch not yet turned over, come on top); capped, so that a probe still ends
+            if not self._enough(p.during) and p.phase_s < self.config.probe_max_s:
                 return p.mode
-            p.running = False  # now the leader's window after it
+            if not self._enough(p.during):
+                self._drop_probe(b)
+                return b.leader
+            p.running, p.phase_s = False, 0.0  # now the leader's window after it
+        if b.probe is not None and b.probe.phase_s >= self.config.probe_max_s:
+            self._drop_probe(b)  # the leader's window after it never filled (the batch did not turn over)
         if b.probe is not None:
             return b.leader
         before = self._leader_window(b, now)
         if not self._enough(before):  # the leader first: a probe is only worth its pairing
             return b.leader
         others = [m for m in MODES if m != b.leader]
-        unpaired = [m for m in others if b.stats[m].ratio is None]
+        # never probed: due now (a mode whose probe was dropped waits its share, see _drop_probe)
+        unpaired = [m for m in others if b.stats[m].ratio is None and b.stats[m].probe_s == 0]
         due = unpaired or [m for m in others if b.stats[m].due(self._share(b.stats[m]))]
         if not due:
             return b.leader
         mode = max(due, key=lambda m: b.stats[m].waited_s * self._share(b.stats[m]))  # the longest-waiting first
-        b.probe, b.probe_steps = _Probe(mode, before, last_t=now), 0
+        b.probe = _Probe(mode, before, last_t=now)
         b.stats[mode].probe_s = 0.0
         b.probes += 1
         return mode
+
+    def _drop_probe(self, b: _Bucket) -> None:
+        """A probe that filled no window: unpaired, and its mode waits its share of the time it took."""
+        b.stats[b.probe.mode].waited_s = 0.0
+        b.probe = None
+
+    def _pure(self, mode: StepMode, seq_ids: Sequence[str] | None) -> bool:
+        """Whether this step (already recorded in _seq_modes) measures `mode`: a history-dependent
+        mode only on a batch every sequence of which has run in it alone. No ids: taken as pure."""
+        if mode not in HISTORY_DEPENDENT or seq_ids is None:
+            return True
+        return all(self._seq_modes[s] == {mode} for s in seq_ids)
+
+    def _track(self, mode: StepMode, seq_ids: Sequence[str] | None) -> None:
+        """The batch's sequences have now stepped in `mode`; those not in it have finished."""
+        if seq_ids is not None:
+            self._seq_modes = {s: self._seq_modes.get(s, frozenset()) | {mode} for s in seq_ids}
 
     def _decay_evidence(self, s: _ModeStats, now: float) -> None:
         f = 0.5 ** (max(now - s.evidence_t, 0.0) / self.config.evidence_half_life_s)
@@ -338,11 +381,15 @@ class ModeArbiter:
         b.leader, b.probe = new, None
         b.recent.clear()  # the new leader's figure is measured from now on
 
-    def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True) -> None:
+    def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True,
+                seq_ids: Sequence[str] | None = None) -> None:
         """One finished step in `mode`: the batch's output `tokens` over its wall `seconds`
         (prefill of sequences that joined excluded). `chosen`: the mode came from `mode()`;
-        False: a batch forced all one way, shown in that mode's goodput but never paired."""
+        False: a batch forced all one way, shown in that mode's goodput but never paired.
+        `seq_ids`: the batch's sequences, whose history decides whether a 'plan' step is measured
+        (None: every step is)."""
         now, c = self._clock(), self.config
+        self._track(mode, seq_ids)
         # the bucket mode() chose in (a chosen step), else the load now; then this step joins the window
         load = self._step_load if chosen and self._step_load is not None else self._load(batch_size, now)
         self._step_load = None
@@ -354,8 +401,9 @@ class ModeArbiter:
         s, p = b.stats[mode], b.probe
         in_probe = chosen and p is not None and p.running and mode == p.mode
         if in_probe:
-            b.probe_steps += 1
             s.probe_s += max(seconds, 0.0)
+        if chosen and p is not None and (in_probe or (not p.running and mode == b.leader)):
+            p.phase_s += max(seconds, 0.0)
             p.last_t = now
         if mode != self._last_mode:
             b.settle_left = c.settle_steps
@@ -363,7 +411,7 @@ class ModeArbiter:
         if b.settle_left > 0:
             b.settle_left -= 1
             return
-        if seconds <= 0:
+        if seconds <= 0 or not self._pure(mode, seq_ids):
             return
         s.steps += 1
         s.tokens, s.seconds = s.tokens * self._lambda + tokens, s.seconds * self._lambda + seconds
@@ -377,7 +425,6 @@ class ModeArbiter:
                     b.stats[m].waited_s += seconds
             if p is not None and not p.running:
                 p.after.add(tokens, seconds)
-                p.last_t = now
                 if self._enough(p.after):
                     b.probe = None
                     b.pairs.append((p.mode, round(p.during.goodput, 1), round(p.before.goodput, 1),

@@ -354,3 +354,90 @@ def test_the_step_mode_metric_labels_are_the_arbiter_modes() -> None:
     assert rec.step_modes["on"] == 1
     with pytest.raises(ValueError, match="unknown step mode 'fast'"):
         rec.record_step_mode("fast")
+
+
+def run_stateful_planner(arb: ModeArbiter, seconds: float, rates: dict[str, float], *, pass_ids: bool,
+                         streams: int = 4, lifetime_steps: int = 20, step_s: float = 0.1) -> Counter:
+    """A closed loop of `streams` requests of `lifetime_steps` steps each (staggered), under a planner
+    whose choice for a sequence follows its history, as the real one's does (catch-up owed, its
+    acceptance record): a sequence that stepped in 'on' is drafted as 'on' does, one that stepped in
+    'off' decodes plainly, only one that ran in 'plan' alone gets the planner's own rate. 'on' and
+    'off' run at their rates whatever the history. Returns the modes chosen (steps)."""
+    next_id = 0
+    seqs: list[tuple[str, int, set[str]]] = []  # (id, steps left, modes stepped in)
+    for i in range(streams):
+        seqs.append((f"s{next_id}", lifetime_steps * (i + 1) // streams, set()))
+        next_id += 1
+    chosen: Counter = Counter()
+    end = arb._clock.t + seconds
+    while arb._clock.t < end:
+        mode = arb.mode(streams)
+        chosen[mode] += 1
+        tokens = 0.0
+        for _, _, history in seqs:
+            history.add(mode)
+            own = mode if mode != "plan" else ("on" if "on" in history else "off" if "off" in history else "plan")
+            tokens += rates[own] / streams * step_s
+        ids = [sid for sid, _, _ in seqs]
+        arb._clock.t += step_s
+        arb.observe(streams, mode, round(tokens), step_s, seq_ids=ids if pass_ids else None)
+        seqs = [(sid, left - 1, h) for sid, left, h in seqs]
+        for i, (sid, left, h) in enumerate(seqs):
+            if left <= 0:  # the stream's next request
+                seqs[i] = (f"s{next_id}", lifetime_steps, set())
+                next_id += 1
+    return chosen
+
+
+def test_the_planner_is_measured_only_on_batches_that_ran_in_it_alone() -> None:
+    """Run AW at 8 streams: beside a probe of 'on' the planner drafted as 'on' does (no catch-up
+    owed), so its windows around the probe measured 'on' again and 'on', 10 % better in the cells,
+    was paired at 1.01. A 'plan' step counts only once the probe's sequences have left the batch,
+    and the paired ratio is the true one."""
+    rates = {"plan": 1000.0, "on": 1100.0, "off": 800.0}
+    arb = arbiter()
+    run_stateful_planner(arb, 240.0, rates, pass_ids=True)
+    snap = arb.snapshot()["b4"]
+    assert snap["leader"] == "on", snap
+    assert snap["ratio"]["plan"] == pytest.approx(1000 / 1100, rel=0.01), snap
+    assert snap["ratio"]["off"] == pytest.approx(800 / 1100, rel=0.01), snap
+    # the same traffic without the batch's ids: every 'plan' step is measured, and the planner's
+    # windows beside the probes pull its ratio towards the probed modes'
+    blind = arbiter()
+    run_stateful_planner(blind, 240.0, rates, pass_ids=False)
+    assert blind.snapshot()["b4"]["ratio"]["plan"] > 1000 / 1100 + 0.03, blind.snapshot()["b4"]
+
+
+def test_a_plan_step_is_unmeasured_while_a_sequence_that_ran_another_mode_is_in_the_batch() -> None:
+    arb = arbiter(settle_steps=0)
+    observe_ids = lambda mode, ids: (setattr(arb._clock, "t", arb._clock.t + 0.1),  # noqa: E731
+                                     arb.observe(2, mode, 10, 0.1, seq_ids=ids))
+    observe_ids("on", ["a", "b"])
+    observe_ids("plan", ["a", "b"])
+    observe_ids("plan", ["b", "c"])  # 'b' still carries its 'on' step
+    assert arb.snapshot()["b2"]["measured_steps"] == {"plan": 0, "on": 1, "off": 0}
+    observe_ids("plan", ["c", "d"])  # 'a' and 'b' finished: every sequence has run in 'plan' alone
+    observe_ids("off", ["c", "d"])  # a fixed mode is measured whatever the history
+    assert arb.snapshot()["b2"]["measured_steps"] == {"plan": 1, "on": 1, "off": 1}
+
+
+def test_a_probe_that_cannot_fill_its_window_is_dropped_and_its_mode_waits() -> None:
+    """Leader 'on'; a probe of 'plan' on a batch that never turns over is never measured: it ends
+    unpaired after probe_max_s, and the planner is not probed again before its share of that time."""
+    arb = arbiter(settle_steps=0, probe_max_s=3.0, warm_share=0.5)
+    arb._bucket(2, arb._clock()).leader = "on"
+    ids = ["long-a", "long-b"]
+    modes: list[str] = []
+    for _ in range(600):  # 60 s of one batch
+        mode = arb.mode(2)
+        modes.append(mode)
+        arb._clock.t += 0.1
+        arb.observe(2, mode, {"plan": 10, "on": 12, "off": 8}[mode], 0.1, seq_ids=ids)
+    snap = arb.snapshot()["b2"]
+    assert snap["leader"] == "on", snap
+    assert snap["pairings"]["plan"] == 0 and snap["measured_steps"]["plan"] == 0, snap
+    assert snap["pairings"]["off"] >= 3, snap  # the other probe goes on as before
+    # each probe of 'plan' runs probe_max_s, then waits probe_max_s / warm_share of the leader's time
+    plan_runs = sum(1 for a, b in zip(["on"] + modes, modes) if b == "plan" and a != "plan")
+    assert (plan_runs - 1) * 30 < modes.count("plan") <= plan_runs * 30, Counter(modes)  # the last may be cut
+    assert 2 <= plan_runs <= 60 / (3.0 + 3.0 / 0.5) + 1, plan_runs
