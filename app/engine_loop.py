@@ -28,8 +28,9 @@ class LoopStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: SpecEngine, on_step=None) -> None:
+    def __init__(self, engine: SpecEngine, on_step=None, idle_flush_s: float = 0.25) -> None:
         self.engine = engine
+        self.idle_flush_s = idle_flush_s  # idle this long before pending draft releases are sent
         self.on_step = on_step  # callback(engine, updates, seconds) on the loop thread, for metrics
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -63,8 +64,12 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop:
             if not self.engine.has_work():
-                self._flush_releases()
-                self.wake.wait(timeout=0.5)
+                # Free the draft's finished sequences only after a quiet spell: the flush is a call to
+                # the draft replica on this thread, and a closed-loop client's next request, which
+                # usually comes within milliseconds, would wait for it before its prefill
+                if not self.wake.wait(timeout=self.idle_flush_s):
+                    self._flush_releases()
+                    self.wake.wait(timeout=0.5)
                 self.wake.clear()
                 continue
             t0 = time.perf_counter()
