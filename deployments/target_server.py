@@ -149,7 +149,7 @@ class TargetServer:
         self.hold = PlainHold(c.plain_hold_steps)
         self.arbiter = ModeArbiter(c.mode_arbiter) if c.mode_arbiter.enabled else None
         # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
-        self._step_mode: tuple[StepMode, bool, list[str]] | None = None
+        self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
         self._last_step_end: float | None = None
         self._mode_steps = 0
         self.metrics = ServeMetrics()
@@ -160,21 +160,21 @@ class TargetServer:
 
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
     def _plan_k(self, batch, caps: list[int]) -> list[int]:
+        ids = tuple(seq.seq_id for seq in batch)  # the arbiter's step history and the plain hold key on them
         if self.arbiter is not None:  # the step's mode by measured goodput (app/policy/mode_arbiter.py)
             adaptive = [seq.adaptive and cap > 0 for seq, cap in zip(batch, caps)]
             default_k = self.policy.config.default_k
             if not any(adaptive):
                 mode = forced_mode([seq.k for seq in batch], [seq.adaptive for seq in batch], default_k)
-                self._step_mode = (mode, False, [seq.seq_id for seq in batch]) if mode is not None else None
+                self._step_mode = (mode, False, ids) if mode is not None else None
                 return caps
             mode = self.arbiter.mode(len(batch))
-            self._step_mode = (mode, True, [seq.seq_id for seq in batch])
+            self._step_mode = (mode, True, ids)
             ks = mode_ks(mode, caps, adaptive, default_k)
             if ks is not None:
                 return ks
         if not any(caps):
             return caps
-        ids = tuple(seq.seq_id for seq in batch)
         if (self.explorer is None or self.explorer.explore_k(len(ids)) is None) and self.hold.holds(ids):
             if self.explorer is not None:
                 self.explorer.record_plain_step()

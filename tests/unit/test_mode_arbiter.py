@@ -28,10 +28,11 @@ def arbiter(**config) -> ModeArbiter:
     return ModeArbiter(ModeArbiterConfig(**config), clock=FakeClock())
 
 
-def observe(arb: ModeArbiter, batch: int, mode: str, tokens: float, seconds: float, chosen: bool = True) -> None:
+def observe(arb: ModeArbiter, batch: int, mode: str, tokens: float, seconds: float, chosen: bool = True,
+            seq_ids: list[str] | None = None) -> None:
     """One step: the fake clock moves on by the step's seconds, then the arbiter sees it."""
     arb._clock.t += seconds
-    arb.observe(batch, mode, round(tokens), seconds, chosen=chosen)
+    arb.observe(batch, mode, round(tokens), seconds, chosen=chosen, seq_ids=seq_ids)
 
 
 def run(arb: ModeArbiter, steps: int, goodput: Callable[[str], float], batch: int = 4,
@@ -379,8 +380,7 @@ def run_stateful_planner(arb: ModeArbiter, seconds: float, rates: dict[str, floa
             own = mode if mode != "plan" else ("on" if "on" in history else "off" if "off" in history else "plan")
             tokens += rates[own] / streams * step_s
         ids = [sid for sid, _, _ in seqs]
-        arb._clock.t += step_s
-        arb.observe(streams, mode, round(tokens), step_s, seq_ids=ids if pass_ids else None)
+        observe(arb, streams, mode, tokens, step_s, seq_ids=ids if pass_ids else None)
         seqs = [(sid, left - 1, h) for sid, left, h in seqs]
         for i, (sid, left, h) in enumerate(seqs):
             if left <= 0:  # the stream's next request
@@ -410,8 +410,7 @@ def test_the_planner_is_measured_only_on_batches_that_ran_in_it_alone() -> None:
 
 def test_a_plan_step_is_unmeasured_while_a_sequence_that_ran_another_mode_is_in_the_batch() -> None:
     arb = arbiter(settle_steps=0)
-    observe_ids = lambda mode, ids: (setattr(arb._clock, "t", arb._clock.t + 0.1),  # noqa: E731
-                                     arb.observe(2, mode, 10, 0.1, seq_ids=ids))
+    observe_ids = lambda mode, ids: observe(arb, 2, mode, 10, 0.1, seq_ids=ids)  # noqa: E731
     observe_ids("on", ["a", "b"])
     observe_ids("plan", ["a", "b"])
     observe_ids("plan", ["b", "c"])  # 'b' still carries its 'on' step
@@ -431,8 +430,7 @@ def test_a_probe_that_cannot_fill_its_window_is_dropped_and_its_mode_waits() -> 
     for _ in range(600):  # 60 s of one batch
         mode = arb.mode(2)
         modes.append(mode)
-        arb._clock.t += 0.1
-        arb.observe(2, mode, {"plan": 10, "on": 12, "off": 8}[mode], 0.1, seq_ids=ids)
+        observe(arb, 2, mode, {"plan": 10, "on": 12, "off": 8}[mode], 0.1, seq_ids=ids)
     snap = arb.snapshot()["b2"]
     assert snap["leader"] == "on", snap
     assert snap["pairings"]["plan"] == 0 and snap["measured_steps"]["plan"] == 0, snap
