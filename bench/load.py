@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.load --url http://127.0.0.1:8000  # an app already running (make run)
     .venv/bin/python -m bench.load --start --levels 1,4,16 --duration 15
     .venv/bin/python -m bench.load --start --rounds 3 --duration 12   # repeated, median per cell
+    .venv/bin/python -m bench.load --pool a.json b.json              # two sweeps' cells, one verdict
 
 For each concurrency level c (default 1,2,4,8,16,32) and each policy (`speculation` "on",
 "off", "auto" in every request), c closed-loop clients stream completions for `--warmup` +
@@ -230,16 +231,18 @@ def summarize(cells: list[Cell], levels: list[int]) -> dict[tuple[int, str], dic
     return out
 
 
-def paired_ratio(cells: list[Cell], c: int) -> dict[str, float | None]:
-    """Auto over the better fixed policy within each round (the three cells of a round ran back to back,
-    so they share the host's state), then the mean over rounds and its standard error. A second reading
-    of the medians' verdict: on a noisy host the two disagreed by up to 0.08 (bench/RESULTS.md section 7)."""
+def paired_ratio(cells: list[Cell], c: int, fixed: str) -> dict[str, float | None]:
+    """Auto over the level's better fixed policy `fixed` within each round (the three cells of a round
+    ran back to back, so they share the host's state), then the mean over rounds and its standard
+    error. A second reading of the medians' verdict: on a noisy host the two disagreed by up to 0.08
+    (bench/RESULTS.md section 7). The same fixed policy in every round, as the target says ("the better
+    fixed policy"): the better of the two *per round* is an oracle no fixed choice is, and where the two
+    are close it is the larger of two noisy cells (run AZ: paired 1.037 that way at 1 stream, 1.060 this)."""
     by_round: dict[int, dict[str, float]] = {}
     for x in cells:
         if x.concurrency == c:
             by_round.setdefault(x.round, {})[x.policy] = x.goodput_tok_s
-    ratios = [r["auto"] / max(r["on"], r["off"]) for r in by_round.values()
-              if len(r) == len(POLICIES) and max(r["on"], r["off"]) > 0]
+    ratios = [r["auto"] / r[fixed] for r in by_round.values() if len(r) == len(POLICIES) and r[fixed] > 0]
     if not ratios:
         return {"paired_mean": None, "paired_se": None}
     mean = sum(ratios) / len(ratios)
@@ -265,7 +268,7 @@ def verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
         better = "on" if on > off else "off"
         rows.append({"concurrency": c, "on": on, "off": off, "auto": auto, "rounds": a["rounds"],
                      "auto_over_best_fixed": round(auto / best_fixed, 3) if best_fixed else None,
-                     **paired_ratio(cells, c),
+                     **paired_ratio(cells, c, better),
                      "auto_above_both": auto > best_fixed, "auto_mostly": auto_mode, "better_fixed": better,
                      "auto_mode_matches_better_fixed": auto_mode == better})
     within = all(r["auto_over_best_fixed"] is not None and r["auto_over_best_fixed"] >= 0.97 for r in rows)
@@ -338,6 +341,49 @@ def rescore(path: str) -> None:
     print(json.dumps(report["verdict"], indent=1))
 
 
+def pooled_cells(paths: list[str]) -> tuple[list[Cell], list[int]]:
+    """The cells of several reports as one run: each report's rounds stay their own (renumbered), so
+    the paired reading pairs cells of one round only. Reports must share levels, max_tokens, cell
+    times and policy overrides; pooling is for sweeps of the same code (the caller names them)."""
+    cells: list[Cell] = []
+    first: dict | None = None
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        cfg = report["config"]
+        key = {k: cfg.get(k) for k in ("levels", "max_tokens", "policy_overrides", "duration_s", "warmup_s")}
+        if first is None:
+            first = key
+        elif key != first:
+            raise SystemExit(f"{path}: config {key} differs from {paths[0]}'s {first}: pool only sweeps of one setup")
+        base = max((c.round for c in cells), default=-1) + 1
+        cells += [Cell(**{**c, "round": base + c.get("round", 0)}) for c in report["cells"]]
+        print(f"{path}: commit {report.get('commit', '?')}, {report.get('date', '?')}, {cfg.get('rounds')} rounds",
+              flush=True)
+    if first is None:
+        raise SystemExit("--pool: name at least one report")
+    return cells, list(first["levels"])
+
+
+def print_verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
+    """The verdict as a table, one row per level."""
+    v = verdict(cells, levels)
+    print(f"{'conc':>5}{'on':>9}{'off':>9}{'auto':>9}{'auto/best':>10}{'paired':>15}  auto mostly / better fixed; "
+          "auto's depth, share")
+    summary = summarize(cells, levels)
+    for r in v["levels"]:
+        a_sum = summary[(r["concurrency"], "auto")]
+        paired = f"{r['paired_mean']} ± {r['paired_se']}" if r["paired_mean"] is not None else "-"
+        print(f"{r['concurrency']:>5}{r['on']:>9.1f}{r['off']:>9.1f}{r['auto']:>9.1f}{r['auto_over_best_fixed']:>10.3f}"
+              f"{paired:>15}  {r['auto_mostly']} / {r['better_fixed']}; {a_sum['mean_depth']}, {a_sum['drafting_share']}")
+    print("auto / best fixed policy:", " ".join(f"c={r['concurrency']}:{r['auto_over_best_fixed']}" for r in v["levels"]))
+    print("auto mostly / better fixed:", " ".join(f"c={r['concurrency']}:{r['auto_mostly']}/{r['better_fixed']}"
+                                                   for r in v["levels"]))
+    print(f"auto within 3% of the better fixed policy everywhere: {v['auto_within_3pct_everywhere']}; "
+          f"above both somewhere: {v['auto_above_both_somewhere']}; "
+          f"auto took the better fixed policy's mode everywhere: {v['auto_mode_matches_better_fixed_everywhere']}")
+    return v
+
+
 def app_overrides(streams: int, policy: dict | None = None) -> dict:
     """configs/local.yaml overrides for `streams` concurrent clients: all of them in one batch; with
     `policy`, PolicyConfig overrides too (deep-merged into the config's, as everything here)."""
@@ -370,7 +416,12 @@ def main() -> None:
                     help='with --start: PolicyConfig overrides as JSON, e.g. \'{"margin": 1.15}\' (an A/B of a setting)')
     ap.add_argument("--json", default=str(PROJECT_ROOT / "bench" / "results" / "load-cpu.json"))
     ap.add_argument("--png", default=str(PROJECT_ROOT / "bench" / "load.png"))
+    ap.add_argument("--pool", nargs="+", metavar="REPORT",
+                    help="no measurement: the verdict of these reports' cells together (sweeps of one code)")
     args = ap.parse_args()
+    if args.pool:
+        print_verdict(*pooled_cells(args.pool))
+        return
     levels = [int(x) for x in args.levels.split(",") if x]
 
     load_before = os.getloadavg()
@@ -390,21 +441,8 @@ def main() -> None:
         if app_ctx is not None:
             app_ctx.__exit__(None, None, None)
     load_after = os.getloadavg()
-    v = verdict(cells, levels)
-    print(f"{'conc':>5}{'on':>9}{'off':>9}{'auto':>9}{'auto/best':>10}{'paired':>15}  auto mostly / better fixed; "
-          "auto's depth, share")
+    v = print_verdict(cells, levels)
     summary = summarize(cells, levels)
-    for r in v["levels"]:
-        a_sum = summary[(r["concurrency"], "auto")]
-        paired = f"{r['paired_mean']} ± {r['paired_se']}" if r["paired_mean"] is not None else "-"
-        print(f"{r['concurrency']:>5}{r['on']:>9.1f}{r['off']:>9.1f}{r['auto']:>9.1f}{r['auto_over_best_fixed']:>10.3f}"
-              f"{paired:>15}  {r['auto_mostly']} / {r['better_fixed']}; {a_sum['mean_depth']}, {a_sum['drafting_share']}")
-    print("auto / best fixed policy:", " ".join(f"c={r['concurrency']}:{r['auto_over_best_fixed']}" for r in v["levels"]))
-    print("auto mostly / better fixed:", " ".join(f"c={r['concurrency']}:{r['auto_mostly']}/{r['better_fixed']}"
-                                                   for r in v["levels"]))
-    print(f"auto within 3% of the better fixed policy everywhere: {v['auto_within_3pct_everywhere']}; "
-          f"above both somewhere: {v['auto_above_both_somewhere']}; "
-          f"auto took the better fixed policy's mode everywhere: {v['auto_mode_matches_better_fixed_everywhere']}")
     report = {
         "bench": "load",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -1,11 +1,15 @@
 """bench.load's verdict from measured cells: medians per policy, and the paired reading (auto over the
-better fixed policy within each round, then the mean over rounds)."""
+level's better fixed policy within each round, then the mean over rounds); reports pooled into one."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.load import Cell, verdict
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.load import Cell, pooled_cells, verdict
 
 
 def cell(policy: str, c: int, rnd: int, goodput: float) -> Cell:
@@ -13,18 +17,21 @@ def cell(policy: str, c: int, rnd: int, goodput: float) -> Cell:
                 completed=10, failed=0, latency_p50_s=0.3, latency_p99_s=0.4, acceptance_rate=None, round=rnd)
 
 
-def test_paired_ratio_follows_each_round_while_medians_mix_rounds() -> None:
-    # round 0: on wins (100 vs 80), auto 99; round 1: the host is slower, off wins (60 vs 50), auto 57
+def test_the_paired_ratio_divides_by_the_levels_better_fixed_policy_in_every_round() -> None:
+    # round 0: on wins (100 vs 80), auto 99; round 1: off wins (60 vs 50), auto 57. The medians make
+    # 'on' the better fixed policy (75 vs 70): auto is paired with 'on' in both rounds, not with the
+    # better of the two in each (an oracle no fixed choice is)
     cells = [cell("on", 2, 0, 100.0), cell("off", 2, 0, 80.0), cell("auto", 2, 0, 99.0),
              cell("on", 2, 1, 50.0), cell("off", 2, 1, 60.0), cell("auto", 2, 1, 57.0)]
     level = verdict(cells, [2])["levels"][0]
-    assert level["paired_mean"] == pytest.approx((0.99 + 0.95) / 2, abs=1e-3)
-    assert level["paired_se"] == pytest.approx(0.02, abs=1e-3)  # sd 0.0283 over sqrt(2) rounds
+    assert level["better_fixed"] == "on"
+    assert level["paired_mean"] == pytest.approx((0.99 + 1.14) / 2, abs=1e-3)
+    assert level["paired_se"] == pytest.approx(0.075, abs=1e-3)  # sd 0.106 over sqrt(2) rounds
     assert level["auto_over_best_fixed"] == pytest.approx(78.0 / 75.0, abs=1e-3)  # medians: 75, 70, 78
 
 
 def test_a_round_missing_a_policy_is_left_out_of_the_paired_mean() -> None:
-    cells = [cell("on", 4, 0, 100.0), cell("off", 4, 0, 80.0), cell("auto", 4, 0, 97.0), cell("on", 4, 1, 10.0)]
+    cells = [cell("on", 4, 0, 100.0), cell("off", 4, 0, 80.0), cell("auto", 4, 0, 97.0), cell("on", 4, 1, 120.0)]
     level = verdict(cells, [4])["levels"][0]
     assert level["paired_mean"] == pytest.approx(0.97)
     assert level["paired_se"] is None  # one complete round: no spread to estimate
@@ -38,3 +45,28 @@ def test_auto_mode_is_read_from_its_drafting_steps_not_its_requests() -> None:
     assert (level["auto_mostly"], level["better_fixed"]) == ("off", "off")
     auto.drafts = 700  # now most steps drafted
     assert verdict([cell("on", 1, 0, 90.0), cell("off", 1, 0, 100.0), auto], [1])["levels"][0]["auto_mostly"] == "on"
+
+
+def report(path: Path, cells: list[Cell], **config) -> str:
+    cfg = {"levels": [2], "max_tokens": 64, "policy_overrides": {}, "duration_s": 16.0, "warmup_s": 3.0,
+           "rounds": 1, **config}
+    path.write_text(json.dumps({"commit": "abc", "date": "d", "config": cfg, "cells": [asdict(c) for c in cells]}))
+    return str(path)
+
+
+def test_pooled_reports_keep_their_rounds_apart(tmp_path: Path) -> None:
+    # each report has a round 0; pooled, they are two rounds, so auto pairs with its own sweep's cells
+    a = report(tmp_path / "a.json", [cell("on", 2, 0, 100.0), cell("off", 2, 0, 80.0), cell("auto", 2, 0, 99.0)])
+    b = report(tmp_path / "b.json", [cell("on", 2, 0, 50.0), cell("off", 2, 0, 40.0), cell("auto", 2, 0, 52.0)])
+    cells, levels = pooled_cells([a, b])
+    assert levels == [2] and sorted({c.round for c in cells}) == [0, 1]
+    level = verdict(cells, levels)["levels"][0]
+    assert level["paired_mean"] == pytest.approx((0.99 + 1.04) / 2, abs=1e-3)
+    assert level["rounds"] == 2
+
+
+def test_reports_of_different_setups_are_not_pooled(tmp_path: Path) -> None:
+    a = report(tmp_path / "a.json", [cell("on", 2, 0, 100.0)])
+    b = report(tmp_path / "b.json", [cell("on", 2, 0, 100.0)], policy_overrides={"margin": 1.2})
+    with pytest.raises(SystemExit, match="pool only sweeps of one setup"):
+        pooled_cells([a, b])
