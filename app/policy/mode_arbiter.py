@@ -101,6 +101,9 @@ class ModeArbiterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="choose the step mode by measured goodput; False: the planner always")
+    pinned_mode: StepMode | None = Field(None, description="a diagnostic A/B: every adaptive batch runs in this mode, "
+                                                           "no probes (auto's request path with one step choice, "
+                                                           "against the forced policy of that mode)")
     probe_min_steps: int = Field(8, ge=1, description="a probe of a non-leading mode runs at least this many steps "
                                                       "(4-step windows at 32 streams differed up to 2x, run AT)")
     probe_min_s: float = Field(1.0, ge=0.0, description="... and at least this many seconds; the leader is measured "
@@ -294,6 +297,8 @@ class ModeArbiter:
         now = self._clock()
         self._step_load = self._load(batch_size, now)
         b = self._bucket(self._step_load, now)
+        if self.config.pinned_mode is not None:
+            return self.config.pinned_mode
         p = b.probe
         if p is not None and p.running:
             # as many *measured* steps and seconds as the leader's windows (settling steps, and 'plan'

@@ -1,0 +1,83 @@
+"""How much do back-to-back cells of ONE fixed policy differ on this host? The floor under #4's test.
+
+    .venv/bin/python -m bench.cell_noise --policy off --streams 8 --cells 14 --duration 10
+
+bench/load.py compares policies cell by cell; whatever two cells of the *same* policy differ by, run
+one after the other on an unchanged app, no comparison of two policies can resolve. This deploys
+the app (as `bench.load --start` does), runs `--cells` cells of one policy back to back (the same
+closed-loop clients, prompts and lengths as bench.load) and reports each cell's goodput, their
+coefficient of variation and the mean relative step between neighbours. With it, per cell, the CPU
+seconds the app's processes used (Linux /proc: the app's child process and every `ray::` worker),
+so a cell that is slower with the same CPU seconds points at the host's speed (or at a different
+use of it), not at less work done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+from pathlib import Path
+
+from bench.app_process import AppProcess, local_args
+from bench.load import app_overrides, run_cell, wait_idle
+
+
+def app_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this machine's Ray workers and the app's own process so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            if b"ray::" not in cmd and b"bench.app_process" not in cmd:
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it exited between listing and reading
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / tick
+
+
+async def cells(url: str, args: argparse.Namespace) -> list[dict]:
+    out = []
+    for i in range(args.cells):
+        cpu0 = app_cpu_seconds()
+        cell = await run_cell(url, args.policy, args.streams, args.warmup, args.duration, args.max_tokens, i)
+        cpu_s = app_cpu_seconds() - cpu0
+        wall_s = args.warmup + args.duration
+        out.append({"cell": i, "goodput_tok_s": cell.goodput_tok_s, "completed": cell.completed,
+                    "app_cpu_s_per_wall_s": round(cpu_s / wall_s, 3)})
+        print(f"cell {i:>3}  {cell.goodput_tok_s:8.1f} tok/s  app CPU {cpu_s / wall_s:5.2f} cores", flush=True)
+        await wait_idle(url)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policy", choices=("on", "off", "auto"), default="off")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--cells", type=int, default=14)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", help="write the cells and the summary here")
+    args = ap.parse_args()
+    if args.cells < 2:
+        raise SystemExit("--cells must be at least 2: the spread needs two cells")
+    with AppProcess(local_args(app_overrides(args.streams))) as app:
+        rows = asyncio.run(cells(app.url, args))
+    g = [r["goodput_tok_s"] for r in rows]
+    mean = statistics.mean(g)
+    summary = {"mean_tok_s": round(mean, 1), "cv": round(statistics.stdev(g) / mean, 3),
+               "mean_neighbour_step": round(statistics.mean(abs(a - b) for a, b in zip(g, g[1:])) / mean, 3),
+               "min_over_max": round(min(g) / max(g), 3)}
+    print(json.dumps(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": vars(args), "cells": rows, "summary": summary}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
