@@ -284,8 +284,18 @@ def plot(cells: list[Cell], levels: list[int], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"on": "tab:orange", "off": "tab:blue", "auto": "tab:green"}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
     summary = summarize(cells, levels)
+    rows = [r for r in verdict(cells, levels)["levels"] if r["paired_mean"] is not None]
+    ax3.errorbar([r["concurrency"] for r in rows], [r["paired_mean"] for r in rows],
+                 yerr=[r["paired_se"] or 0.0 for r in rows], fmt="o-", color=colors["auto"], capsize=3,
+                 label="auto / better fixed, paired (± s.e.)")
+    ax3.plot([r["concurrency"] for r in rows], [r["auto_over_best_fixed"] for r in rows], "x", color="black",
+             label="auto / better fixed, medians")
+    ax3.axhline(1.0, color="gray", lw=0.8)
+    ax3.axhline(0.97, color="tab:red", lw=0.8, ls="--", label="target: 0.97")
+    ax3.set_ylabel("ratio")
+    ax3.set_title("auto against the better fixed policy")
     for p in POLICIES:
         rows = [(c, summary[(c, p)]) for c in levels if (c, p) in summary]
         xs = [c for c, _ in rows]
@@ -294,7 +304,7 @@ def plot(cells: list[Cell], levels: list[int], path: Path, title: str) -> None:
         ax1.errorbar(xs, med, yerr=err, fmt="o-", color=colors[p], capsize=3, label=f"speculation {p}")
         ax2.plot(xs, [r["latency_p50_s"] for _, r in rows], "o-", color=colors[p], label=f"{p} p50")
         ax2.plot(xs, [r["latency_p99_s"] for _, r in rows], "s--", color=colors[p], alpha=0.5, label=f"{p} p99")
-    for ax in (ax1, ax2):
+    for ax in (ax1, ax2, ax3):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(x) for x in levels])
         ax.set_xlabel("concurrent streams")
@@ -414,14 +424,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--policy", type=json.loads, default={},
                     help='with --start: PolicyConfig overrides as JSON, e.g. \'{"margin": 1.15}\' (an A/B of a setting)')
-    ap.add_argument("--json", default=str(PROJECT_ROOT / "bench" / "results" / "load-cpu.json"))
-    ap.add_argument("--png", default=str(PROJECT_ROOT / "bench" / "load.png"))
+    ap.add_argument("--json", default=None, help="the report (a sweep: default bench/results/load-cpu.json; "
+                                                 "--pool: the pooled cells and verdict, only if given)")
+    ap.add_argument("--png", default=None, help="the plot (a sweep: default bench/load.png; --pool: only if given)")
     ap.add_argument("--pool", nargs="+", metavar="REPORT",
                     help="no measurement: the verdict of these reports' cells together (sweeps of one code)")
     args = ap.parse_args()
     if args.pool:
-        print_verdict(*pooled_cells(args.pool))
+        cells, levels = pooled_cells(args.pool)
+        v = print_verdict(cells, levels)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"bench": "load", "pooled": args.pool, "cells": [asdict(c) for c in cells],
+                                                   "verdict": v}, indent=1) + "\n")
+        if args.png:
+            plot(cells, levels, Path(args.png), f"specserve on CPU (embedded pair), closed-loop streams; pooled "
+                                                f"{len(args.pool)} sweeps: {', '.join(Path(x).stem for x in args.pool)}")
         return
+    args.json = args.json or str(PROJECT_ROOT / "bench" / "results" / "load-cpu.json")
+    args.png = args.png or str(PROJECT_ROOT / "bench" / "load.png")
     levels = [int(x) for x in args.levels.split(",") if x]
 
     load_before = os.getloadavg()

@@ -70,3 +70,13 @@ def test_reports_of_different_setups_are_not_pooled(tmp_path: Path) -> None:
     b = report(tmp_path / "b.json", [cell("on", 2, 0, 100.0)], policy_overrides={"margin": 1.2})
     with pytest.raises(SystemExit, match="pool only sweeps of one setup"):
         pooled_cells([a, b])
+
+
+def test_the_plot_is_drawn_from_pooled_cells(tmp_path: Path) -> None:
+    from bench.load import plot
+
+    a = report(tmp_path / "a.json", [cell("on", 2, 0, 100.0), cell("off", 2, 0, 80.0), cell("auto", 2, 0, 99.0)])
+    b = report(tmp_path / "b.json", [cell("on", 2, 0, 50.0), cell("off", 2, 0, 40.0), cell("auto", 2, 0, 52.0)])
+    out = tmp_path / "load.png"
+    plot(*pooled_cells([a, b]), out, "pooled")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,60 @@
+"""Does auto's request path cost anything beyond its step choices? auto pinned to one mode vs that forced policy.
+
+    .venv/bin/python -m bench.pinned_ab --streams 4 --pairs 7 --mode on
+
+With `policy.mode_arbiter.pinned_mode` set, every adaptive batch runs in that mode and the arbiter
+never probes, so an `auto` request differs from a forced one only in its path: the router's
+decision (load, length and acceptance trackers), `adaptive` sequences, the arbiter's bookkeeping.
+This deploys the app with the pin, runs one auto cell to settle, then `--pairs` pairs of cells
+(auto and the forced policy, the order alternating) and reports auto / forced per pair, their mean
+and its standard error. A ratio near 1 puts any gap between auto and the forced policy in
+bench/load.py on the arbiter's choices (its probes), not on the path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+
+from bench.app_process import AppProcess, local_args
+from bench.load import app_overrides, run_cell, wait_idle
+
+
+async def pairs(url: str, args: argparse.Namespace) -> list[float]:
+    await run_cell(url, "auto", args.streams, args.warmup, 8.0, args.max_tokens, 0)  # settle
+    ratios = []
+    for i in range(args.pairs):
+        order = (args.mode, "auto") if i % 2 == 0 else ("auto", args.mode)
+        goodput = {}
+        for policy in order:
+            cell = await run_cell(url, policy, args.streams, args.warmup, args.duration, args.max_tokens, i)
+            goodput[policy] = cell.goodput_tok_s
+            share = cell.drafts / cell.steps if cell.steps else 0.0
+            print(f"pair {i} {policy:<4} {cell.goodput_tok_s:8.1f} tok/s  drafting share {share:.2f}  "
+                  f"p50 {cell.latency_p50_s} s", flush=True)
+            await wait_idle(url)
+        ratios.append(goodput["auto"] / goodput[args.mode])
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--mode", choices=("on", "off"), default="on", help="the pin, and the forced policy to compare")
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    if args.pairs < 2:
+        raise SystemExit("--pairs must be at least 2: the standard error needs two pairs")
+    overrides = app_overrides(args.streams, {"mode_arbiter": {"pinned_mode": args.mode}})
+    with AppProcess(local_args(overrides)) as app:
+        ratios = asyncio.run(pairs(app.url, args))
+    print("auto / " + args.mode + " per pair:", " ".join(f"{r:.3f}" for r in ratios))
+    print(f"mean {statistics.mean(ratios):.3f} ± {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f} (s.e.)")
+
+
+if __name__ == "__main__":
+    main()
