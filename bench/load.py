@@ -434,8 +434,10 @@ def main() -> None:
         cells, levels = pooled_cells(args.pool)
         v = print_verdict(cells, levels)
         if args.json:
-            Path(args.json).write_text(json.dumps({"bench": "load", "pooled": args.pool, "cells": [asdict(c) for c in cells],
-                                                   "verdict": v}, indent=1) + "\n")
+            rounds = len({c.round for c in cells})  # config.levels lets rescore and median_noise read it as a run
+            Path(args.json).write_text(json.dumps({"bench": "load", "pooled": args.pool,
+                                                   "config": {"levels": levels, "rounds": rounds},
+                                                   "cells": [asdict(c) for c in cells], "verdict": v}, indent=1) + "\n")
         if args.png:
             plot(cells, levels, Path(args.png), f"specserve on CPU (embedded pair), closed-loop streams; pooled "
                                                 f"{len(args.pool)} sweeps: {', '.join(Path(x).stem for x in args.pool)}")
