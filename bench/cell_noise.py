@@ -17,28 +17,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 from pathlib import Path
 
 from bench.app_process import AppProcess, local_args
+from bench.host_cost import process_cpu_seconds
 from bench.load import app_overrides, run_cell, wait_idle
 
 
 def app_cpu_seconds() -> float:
     """CPU seconds (user + system) of this machine's Ray workers and the app's own process so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            if b"ray::" not in cmd and b"bench.app_process" not in cmd:
-                continue
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it exited between listing and reading
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / tick
+    app = process_cpu_seconds(lambda cmd: "app" if "ray::" in cmd or "bench.app_process" in cmd else None)
+    return app.get("app", 0.0)
 
 
 async def cells(url: str, args: argparse.Namespace) -> list[dict]:

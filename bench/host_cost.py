@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 from bench.app_process import AppProcess, local_args
 from bench.load import run_cell
@@ -21,8 +22,9 @@ ROLES = ("Router", "ProxyActor", "TargetServer", "DraftServer")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_by_role() -> dict[str, float]:
-    """CPU seconds (user + system) so far of the Ray worker processes of each role."""
+def process_cpu_seconds(group: Callable[[str], str | None]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of this machine's processes, summed per group(cmdline)
+    (None: not counted)."""
     out: dict[str, float] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -30,12 +32,21 @@ def cpu_by_role() -> dict[str, float]:
                 cmd = f.read().decode(errors="replace")
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        except OSError:  # it exited between listing and reading
             continue
-        for role in ROLES:
-            if role in cmd and "ray::" in cmd:
-                out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+        key = group(cmd)
+        if key is not None:
+            out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
     return out
+
+
+def _role(cmd: str) -> str | None:
+    return next((role for role in ROLES if role in cmd), None) if "ray::" in cmd else None
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) so far of the Ray worker processes of each role."""
+    return process_cpu_seconds(_role)
 
 
 async def measure(url: str, policy: str, streams: int) -> None:

@@ -3,13 +3,13 @@ level's better fixed policy within each round, then the mean over rounds); repor
 
 from __future__ import annotations
 
-import pytest
-
 import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.load import Cell, pooled_cells, verdict
+import pytest
+
+from bench.load import Cell, plot, pooled_cells, verdict
 
 
 def cell(policy: str, c: int, rnd: int, goodput: float) -> Cell:
@@ -54,11 +54,15 @@ def report(path: Path, cells: list[Cell], **config) -> str:
     return str(path)
 
 
+def two_sweeps(tmp_path: Path) -> list[str]:
+    """Two reports of one round each (both numbered 0), the second on a host half as fast."""
+    return [report(tmp_path / "a.json", [cell("on", 2, 0, 100.0), cell("off", 2, 0, 80.0), cell("auto", 2, 0, 99.0)]),
+            report(tmp_path / "b.json", [cell("on", 2, 0, 50.0), cell("off", 2, 0, 40.0), cell("auto", 2, 0, 52.0)])]
+
+
 def test_pooled_reports_keep_their_rounds_apart(tmp_path: Path) -> None:
     # each report has a round 0; pooled, they are two rounds, so auto pairs with its own sweep's cells
-    a = report(tmp_path / "a.json", [cell("on", 2, 0, 100.0), cell("off", 2, 0, 80.0), cell("auto", 2, 0, 99.0)])
-    b = report(tmp_path / "b.json", [cell("on", 2, 0, 50.0), cell("off", 2, 0, 40.0), cell("auto", 2, 0, 52.0)])
-    cells, levels = pooled_cells([a, b])
+    cells, levels = pooled_cells(two_sweeps(tmp_path))
     assert levels == [2] and sorted({c.round for c in cells}) == [0, 1]
     level = verdict(cells, levels)["levels"][0]
     assert level["paired_mean"] == pytest.approx((0.99 + 1.04) / 2, abs=1e-3)
@@ -73,10 +77,6 @@ def test_reports_of_different_setups_are_not_pooled(tmp_path: Path) -> None:
 
 
 def test_the_plot_is_drawn_from_pooled_cells(tmp_path: Path) -> None:
-    from bench.load import plot
-
-    a = report(tmp_path / "a.json", [cell("on", 2, 0, 100.0), cell("off", 2, 0, 80.0), cell("auto", 2, 0, 99.0)])
-    b = report(tmp_path / "b.json", [cell("on", 2, 0, 50.0), cell("off", 2, 0, 40.0), cell("auto", 2, 0, 52.0)])
     out = tmp_path / "load.png"
-    plot(*pooled_cells([a, b]), out, "pooled")
+    plot(*pooled_cells(two_sweeps(tmp_path)), out, "pooled")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
