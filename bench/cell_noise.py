@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from bench.app_process import AppProcess, local_args
-from bench.host_cost import process_cpu_seconds
+from bench.host_cost import host_cpu_jiffies, process_cpu_seconds, steal_share
 from bench.load import app_overrides, run_cell, wait_idle
 
 
@@ -34,13 +34,14 @@ def app_cpu_seconds() -> float:
 async def cells(url: str, args: argparse.Namespace) -> list[dict]:
     out = []
     for i in range(args.cells):
-        cpu0 = app_cpu_seconds()
+        cpu0, host0 = app_cpu_seconds(), host_cpu_jiffies()
         cell = await run_cell(url, args.policy, args.streams, args.warmup, args.duration, args.max_tokens, i)
-        cpu_s = app_cpu_seconds() - cpu0
+        cpu_s, steal = app_cpu_seconds() - cpu0, steal_share(host0, host_cpu_jiffies())
         wall_s = args.warmup + args.duration
         out.append({"cell": i, "goodput_tok_s": cell.goodput_tok_s, "completed": cell.completed,
-                    "app_cpu_s_per_wall_s": round(cpu_s / wall_s, 3)})
-        print(f"cell {i:>3}  {cell.goodput_tok_s:8.1f} tok/s  app CPU {cpu_s / wall_s:5.2f} cores", flush=True)
+                    "app_cpu_s_per_wall_s": round(cpu_s / wall_s, 3),
+                    "host_steal_share": round(steal, 3)})
+        print(f"cell {i:>3}  {cell.goodput_tok_s:8.1f} tok/s  app CPU {cpu_s / wall_s:5.2f} cores  steal {steal:5.3f}", flush=True)
         await wait_idle(url)
     return out
 
