@@ -21,7 +21,8 @@ import statistics
 from pathlib import Path
 
 from bench.app_process import AppProcess, local_args
-from bench.host_cost import host_cpu_jiffies, process_cpu_seconds, steal_share
+from app.host_steal import host_cpu_jiffies, steal_share
+from bench.host_cost import process_cpu_seconds
 from bench.load import app_overrides, run_cell, wait_idle
 
 
@@ -40,8 +41,8 @@ async def cells(url: str, args: argparse.Namespace) -> list[dict]:
         wall_s = args.warmup + args.duration
         out.append({"cell": i, "goodput_tok_s": cell.goodput_tok_s, "completed": cell.completed,
                     "app_cpu_s_per_wall_s": round(cpu_s / wall_s, 3),
-                    "host_steal_share": round(steal, 3)})
-        print(f"cell {i:>3}  {cell.goodput_tok_s:8.1f} tok/s  app CPU {cpu_s / wall_s:5.2f} cores  steal {steal:5.3f}", flush=True)
+                    "host_steal_share": None if steal is None else round(steal, 3)})
+        print(f"cell {i:>3}  {cell.goodput_tok_s:8.1f} tok/s  app CPU {cpu_s / wall_s:5.2f} cores  steal {steal if steal is not None else float('nan'):5.3f}", flush=True)
         await wait_idle(url)
     return out
 

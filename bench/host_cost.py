@@ -40,21 +40,6 @@ def process_cpu_seconds(group: Callable[[str], str | None]) -> dict[str, float]:
     return out
 
 
-def host_cpu_jiffies() -> dict[str, int]:
-    """This machine's CPU time so far, all cores, by kind (Linux /proc/stat, in clock ticks). `steal`
-    is time a virtual CPU wanted to run and the hypervisor ran something else: on a shared VM host
-    it is the one part of a slowdown the guest can see directly."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:9]]
-    return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"), values))
-
-
-def steal_share(before: dict[str, int], after: dict[str, int]) -> float:
-    """Share of all CPU time between two host_cpu_jiffies() readings that was stolen."""
-    total = sum(after[k] - before[k] for k in after)
-    return (after["steal"] - before["steal"]) / total if total > 0 else 0.0
-
-
 def _role(cmd: str) -> str | None:
     return next((role for role in ROLES if role in cmd), None) if "ray::" in cmd else None
 

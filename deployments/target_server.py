@@ -22,6 +22,7 @@ from app.draft_protocol import DraftClient, DraftStepRequest, DraftStepResponse,
 from app.engine import Overloaded, SpecEngine
 from app.engine_loop import EngineLoop, stream_updates
 from app.generation_protocol import GenerateChunk, GenerateRequest
+from app.host_steal import StealMeter
 from app.model_runner import ContextOverflow, ModelRunner
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
@@ -147,7 +148,9 @@ class TargetServer:
         self.explorer = (StepExplorer(c.explore_every_steps, c.exploration_k, c.explore_max_every_steps)
                          if c.explore_every_steps else None)
         self.hold = PlainHold(c.plain_hold_steps)
-        self.arbiter = ModeArbiter(c.mode_arbiter) if c.mode_arbiter.enabled else None
+        # the host's steal read per step: a probe across which the hypervisor's share moved is no evidence
+        self.arbiter = (ModeArbiter(c.mode_arbiter, steal_meter=StealMeter().since_last)
+                        if c.mode_arbiter.enabled else None)
         # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
         self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
         self._last_step_end: float | None = None

@@ -76,6 +76,13 @@ bench/RESULTS.md section 7), and keyed by batch size those steps ran in bucket b
 at one stream ('off'), where the 2-stream load drafts ('on' won by 21 %). The largest batch of the
 last `load_window_s` (1 s: tens of steps at low load, a few at 32 streams) names the load.
 
+A pairing is only as good as the assumption that the host ran at one speed across its three windows.
+On the 2-core CPU host (a VM) it often did not: the share of CPU the hypervisor stole explained
+three quarters of one fixed policy's cell-to-cell spread (r = -0.87, ~1.4 % of goodput per point of
+steal; app/host_steal.py). With a steal meter the windows carry the host's steal share, and a
+pairing whose probe window's steal differs from the mean of the leader's windows around it by more
+than `max_steal_gap` is dropped: not evidence, and the mode waits its share before the next probe.
+
 Single-threaded and Ray-free: the engine thread calls `mode` before planning a step and `observe`
 after it; time comes from an injected clock (tests drive a fake one).
 """
@@ -136,6 +143,9 @@ class ModeArbiterConfig(BaseModel):
                                                           "it is measured afresh before any probe")
     evidence_half_life_s: float = Field(120.0, gt=0.0, description="wall seconds over which a mode's paired ratio to "
                                                                    "the leader is averaged")
+    max_steal_gap: float = Field(0.03, gt=0.0, le=1.0, description="a pairing whose probe ran at a host CPU steal "
+                                                                   "share this far from the leader's windows around "
+                                                                   "it is dropped (needs a steal meter)")
     load_window_s: float = Field(1.0, ge=0.0, description="a step is judged in the bucket of its load: the largest "
                                                           "batch of the last this many seconds, its own included "
                                                           "(0: the step's own batch size)")
@@ -194,9 +204,16 @@ class _Window:
     tokens: float = 0.0
     seconds: float = 0.0
     steps: int = 0
+    stolen: int = 0  # host CPU ticks stolen by the hypervisor over its steps (with a steal meter)
+    ticks: int = 0  # ... of all host CPU ticks over them
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, stolen: int = 0, ticks: int = 0) -> None:
         self.tokens, self.seconds, self.steps = self.tokens + tokens, self.seconds + seconds, self.steps + 1
+        self.stolen, self.ticks = self.stolen + stolen, self.ticks + ticks
+
+    @property
+    def steal(self) -> float | None:
+        return self.stolen / self.ticks if self.ticks > 0 else None
 
     @property
     def goodput(self) -> float:
@@ -220,20 +237,26 @@ class _Probe:
 class _Bucket:
     stats: dict[str, _ModeStats]
     leader: StepMode = "plan"
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # the leader's measured steps: (tokens, s)
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # the leader's measured steps: (tokens, s,
+    # stolen ticks, ticks)
     leader_t: float | None = None  # clock time of the leader's last measured step
     probe: _Probe | None = None
     settle_left: int = 0
     probes: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
     pairs: deque = field(default_factory=lambda: deque(maxlen=8))  # the last pairings, for the snapshot
+    steal_dropped: int = 0  # pairings dropped because the host's steal moved across them
     chosen_s: dict[str, float] = field(default_factory=lambda: {m: 0.0 for m in MODES})  # wall s of chosen steps
 
 
 class ModeArbiter:
-    def __init__(self, config: ModeArbiterConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: ModeArbiterConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 steal_meter: Callable[[], tuple[int, int]] | None = None) -> None:
+        """`steal_meter`: (stolen, all) host CPU ticks since its previous call, read once per observed
+        step (app.host_steal.StealMeter.since_last); None: pairings are not checked for steal."""
         self.config = config or ModeArbiterConfig()
         self._clock = clock
+        self._steal_meter = steal_meter
         self._lambda = 0.5 ** (1.0 / self.config.half_life_steps)
         self._buckets: dict[int, _Bucket] = {}
         self._last_mode: StepMode | None = None  # the mode of the engine's last step, any bucket
@@ -286,8 +309,8 @@ class ModeArbiter:
         if b.leader_t is None or now - b.leader_t > self.config.stale_after_s:
             b.recent.clear()
             return w
-        for tokens, seconds in reversed(b.recent):
-            w.add(tokens, seconds)
+        for step in reversed(b.recent):
+            w.add(*step)
             if self._enough(w):
                 break
         return w
@@ -394,6 +417,7 @@ class ModeArbiter:
         `seq_ids`: the batch's sequences, whose history decides whether a 'plan' step is measured
         (None: every step is)."""
         now, c = self._clock(), self.config
+        stolen, ticks = self._steal_meter() if self._steal_meter is not None else (0, 0)
         self._track(mode, seq_ids)
         # the bucket mode() chose in (a chosen step), else the load now; then this step joins the window
         load = self._step_load if chosen and self._step_load is not None else self._load(batch_size, now)
@@ -421,20 +445,32 @@ class ModeArbiter:
         s.steps += 1
         s.tokens, s.seconds = s.tokens * self._lambda + tokens, s.seconds * self._lambda + seconds
         if in_probe:
-            p.during.add(tokens, seconds)
+            p.during.add(tokens, seconds, stolen, ticks)
         elif mode == b.leader and chosen:  # exploiting (forced steps are shown, never windows of a pairing)
-            b.recent.append((tokens, seconds))
+            b.recent.append((tokens, seconds, stolen, ticks))
             b.leader_t = now
             for m in MODES:  # the other modes wait longer since their last measurement
                 if m != mode:
                     b.stats[m].waited_s += seconds
             if p is not None and not p.running:
-                p.after.add(tokens, seconds)
+                p.after.add(tokens, seconds, stolen, ticks)
                 if self._enough(p.after):
                     b.probe = None
+                    if self._steal_moved(p):
+                        b.steal_dropped += 1
+                        b.stats[p.mode].waited_s = 0.0  # as a dropped probe: it waits its share
+                        return
                     b.pairs.append((p.mode, round(p.during.goodput, 1), round(p.before.goodput, 1),
                                     round(p.after.goodput, 1), p.during.steps))
                     self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
+
+    def _steal_moved(self, p: _Probe) -> bool:
+        """Whether the host's steal share during the probe was max_steal_gap or more away from the mean of
+        the leader's windows around it (False where any of the three has no reading)."""
+        during, before, after = p.during.steal, p.before.steal, p.after.steal
+        if during is None or before is None or after is None:
+            return False
+        return abs(during - (before + after) / 2) > self.config.max_steal_gap
 
     def snapshot(self) -> dict[str, dict]:
         """Per load bucket (the largest batch of the last load_window_s): the leader, each mode's
@@ -450,6 +486,7 @@ class ModeArbiter:
                 "steps": dict(b.steps_by_mode),
                 "probe_share": {m: round(b.stats[m].share, 4) for m in MODES},
                 "probes": b.probes,
+                "steal_dropped": b.steal_dropped,
                 "chosen_s": {m: round(v, 1) for m, v in b.chosen_s.items()},  # wall s of the arbiter's own steps
                 "last_pairs": [list(p) for p in b.pairs],  # probes: (mode, its goodput, the leader's before, after, steps)
             }

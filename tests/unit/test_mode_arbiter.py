@@ -447,3 +447,46 @@ def test_a_pinned_mode_runs_every_step_and_is_never_probed_away() -> None:
     chosen = run(arb, 500, {"plan": 100.0, "on": 50.0, "off": 200.0}.__getitem__)
     assert chosen == Counter({"on": 500})
     assert arb.snapshot()["b4"]["probes"] == 0
+
+
+def _bursty_host(clock: FakeClock) -> tuple[Callable[[], bool], Callable[[], tuple[int, int]]]:
+    """A VM host whose hypervisor steals 20 % of the CPU for 3 s of every 7: (in a burst now?, a steal
+    meter giving (stolen, all) ticks per call, 100 ticks a call)."""
+    def burst() -> bool:
+        return (clock.t % 7.0) < 3.0
+
+    def meter() -> tuple[int, int]:
+        return (20 if burst() else 0), 100
+
+    return burst, meter
+
+
+@pytest.mark.parametrize("metered", [True, False])
+def test_pairings_across_a_steal_burst_are_dropped(metered: bool) -> None:
+    """A probe whose window caught a burst of steal (goodput x0.7) and the leader's windows around it
+    did not, or the other way round, is no evidence: with a steal meter such pairings are dropped and
+    every kept one reads the modes' true ratio; without one (the control) some read the burst."""
+    clock = FakeClock()
+    burst, meter = _bursty_host(clock)
+    arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=4, probe_min_s=0.5, settle_steps=0, base_share=0.2),
+                      clock=clock, steal_meter=meter if metered else None)
+    rates = {"plan": 100.0, "on": 120.0, "off": 80.0}
+    ratios: list[float] = []
+    for _ in range(6000):
+        mode = arb.mode(4)
+        step_s = 0.1
+        clock.t += step_s
+        slow = 0.7 if burst() else 1.0
+        snap = arb.snapshot().get("b4", {"leader": "plan", "last_pairs": []})
+        arb.observe(4, mode, round(rates[mode] * slow * step_s * 10), step_s)  # tokens x10: rounding stays small
+        pairs = arb.snapshot()["b4"]["last_pairs"]
+        if pairs != snap["last_pairs"]:  # a new pairing, against the leader of before this step
+            m, during, before, after, _ = pairs[-1]
+            ratios.append(during / ((before + after) / 2) / (rates[m] / rates[snap["leader"]]))
+    off_by = [abs(r - 1.0) for r in ratios]
+    if metered:
+        assert arb.snapshot()["b4"]["steal_dropped"] > 0
+        assert len(ratios) >= 10 and max(off_by) < 0.12, (len(ratios), max(off_by))
+    else:
+        assert arb.snapshot()["b4"]["steal_dropped"] == 0
+        assert max(off_by) > 0.12  # the scenario does mislead an unmetered arbiter
