@@ -146,6 +146,8 @@ class ModeArbiterConfig(BaseModel):
     max_steal_gap: float = Field(0.03, gt=0.0, le=1.0, description="a pairing whose probe ran at a host CPU steal "
                                                                    "share this far from the leader's windows around "
                                                                    "it is dropped (needs a steal meter)")
+    inherit_clear_losers: bool = Field(True, description="a new load skips the warm-up of a mode the nearest load "
+                                                         "found surely under far_ratio of their common leader")
     load_window_s: float = Field(1.0, ge=0.0, description="a step is judged in the bucket of its load: the largest "
                                                           "batch of the last this many seconds, its own included "
                                                           "(0: the step's own batch size)")
@@ -290,10 +292,38 @@ class ModeArbiter:
             near = min(self._buckets, key=lambda k: (abs(k.bit_length() - key.bit_length()), k), default=None)
             b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES},
                                              leader=self._buckets[near].leader if near is not None else "plan")
+            if near is not None and self.config.inherit_clear_losers:
+                self._inherit_clear_losers(self._buckets[near], b, now)
         if b.probe is not None and now - b.probe.last_t > self.config.stale_after_s:
             b.probe = None  # a lull or forced traffic: its pairing would span it (the leader's window goes
             # stale by itself, see _leader_window)
         return b
+
+    def _far(self, s: _ModeStats) -> bool:
+        """Surely under far_ratio of its bucket's leader, after its warm-up."""
+        c = self.config
+        return (s.pairings >= c.warm_pairings and s.ratio is not None
+                and s.ratio + c.far_z * s.std_error(c.probe_cv) < c.far_ratio)
+
+    def _inherit_clear_losers(self, near: _Bucket, b: _Bucket, now: float) -> None:
+        """A mode the nearest load found surely worse than its leader (b's leader too) skips b's warm-up:
+        one pseudo-pairing at its ratio there, and a first probe only after probe_min_s / base_share of
+        the leader's time. Why: the warm-up's probes are the arbiter's main cost
+        where a level is short and steps long; at 32 streams (runs BC, BD) b32 spent ~30 % of auto's
+        time probing 'plan' and 'off', which b16 had paired at 0.71-0.78 of 'on', and auto ran at
+        0.88-0.91 of forced 'on'. A mode that was close there gets the full warm-up here."""
+        for m in MODES:
+            if m == b.leader:
+                continue
+            src = near.stats[m]
+            self._decay_evidence(src, now)
+            if not self._far(src):
+                continue
+            dst, r = b.stats[m], src.ratio
+            dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
+            # at the base share, not the (maybe cut) share there: if this load differs, the first probe
+            # comes within probe_min_s / base_share of the leader's time
+            dst.pairings, dst.probe_s = self.config.warm_pairings, self.config.probe_min_s
 
     def _share(self, s: _ModeStats) -> float:
         """The time share of a mode's probes: high until it is paired warm_pairings times."""

@@ -490,3 +490,32 @@ def test_pairings_across_a_steal_burst_are_dropped(metered: bool) -> None:
     else:
         assert arb.snapshot()["b4"]["steal_dropped"] == 0
         assert max(off_by) > 0.12  # the scenario does mislead an unmetered arbiter
+
+
+@pytest.mark.parametrize("inherit", [True, False])
+def test_a_new_load_skips_the_warm_up_of_a_mode_the_nearest_load_found_far_worse(inherit: bool) -> None:
+    """Runs BC/BD: at 32 streams the warm-up's probes of modes b16 had paired at 0.71-0.78 of 'on' took
+    ~30 % of auto's time. With inherit_clear_losers a new load probes such a mode at its inherited
+    share; a mode that was close there ('plan' here) still gets its warm-up."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0, inherit_clear_losers=inherit)
+    rates16 = {"plan": 140.0, "on": 150.0, "off": 80.0}
+    run(arb, 1500, rates16.__getitem__, batch=16, step_s=0.2)
+    b16 = arb.snapshot()["b16"]
+    assert b16["leader"] == "on" and b16["ratio"]["off"] < 0.7 and b16["ratio"]["plan"] > 0.9
+    chosen = run(arb, 300, rates16.__getitem__, batch=32, step_s=0.2)  # a minute at the new load
+    b32 = arb.snapshot()["b32"]
+    assert b32["leader"] == "on"
+    if inherit:
+        # one probe (4 steps), ~0.5 s / base_share 0.03 of 'on' in; three pairings inherited
+        assert chosen["off"] == 4 and b32["pairings"]["off"] == 4
+        assert b32["pairings"]["plan"] >= 3  # close in b16: warmed up again here
+    else:
+        assert chosen["off"] >= 12  # the warm-up: three probes
+
+
+def test_an_inherited_loser_that_wins_at_the_new_load_still_takes_the_lead() -> None:
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0)
+    run(arb, 1500, {"plan": 100.0, "on": 150.0, "off": 80.0}.__getitem__, batch=16, step_s=0.2)
+    assert arb.snapshot()["b16"]["leader"] == "on"
+    run(arb, 6000, {"plan": 100.0, "on": 90.0, "off": 140.0}.__getitem__, batch=32, step_s=0.2)  # 20 min
+    assert arb.snapshot()["b32"]["leader"] == "off"
