@@ -495,7 +495,7 @@ class ModeArbiter:
                     self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
 
     def _steal_moved(self, p: _Probe) -> bool:
-        """Whether the host's steal share during the probe was max_steal_gap or more away from the mean of
+        """Whether the host's steal share during the probe was more than max_steal_gap away from the mean of
         the leader's windows around it (False where any of the three has no reading)."""
         during, before, after = p.during.steal, p.before.steal, p.after.steal
         if during is None or before is None or after is None:
