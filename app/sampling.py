@@ -15,6 +15,9 @@ import torch
 from app.config import SamplingParams
 
 
+_MIN_TEMPERATURE = 1e-30
+
+
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p. `logits`: `[n, vocab]` -> `[n, vocab]`.
 
@@ -23,7 +26,11 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     if params.greedy:
         raise ValueError("processed_probs is for temperature > 0; greedy uses argmax")
-    logits = logits.float() / params.temperature
+    # shifted by the row max first (softmax does not change) and divided by at least 1e-30: a tiny
+    # temperature such as 5e-324 (a valid float the API accepts) would turn logits / T into inf and
+    # 0 / 0 into NaN, and multinomial fails on it; at T -> 0 the row becomes one-hot on its argmax
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / max(params.temperature, _MIN_TEMPERATURE)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

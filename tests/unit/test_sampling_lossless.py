@@ -232,3 +232,14 @@ def test_seeded_sampling_is_reproducible(speculate, target_runner, draft_runner,
     assert len(a) == 32
     assert run(11, seq_id="other-id") == a
     assert run(12) != a
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 1e-8])
+def test_a_vanishing_temperature_gives_the_argmax_not_nan(temperature: float) -> None:
+    """The fuzz test (tests/serve/test_fuzz.py) sent temperature 5e-324: logits / T was inf, softmax NaN,
+    multinomial raised in the target, and the router answered 503 after its re-issues."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, -2.0, 0.25, 0.0]])
+    probs = processed_probs(logits, SamplingParams(temperature=temperature))
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
+    assert sample(probs[0], position_generator(1, 0, "target")) == 1
