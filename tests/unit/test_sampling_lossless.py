@@ -243,3 +243,12 @@ def test_a_vanishing_temperature_gives_the_argmax_not_nan(temperature: float) ->
     assert torch.isfinite(probs).all()
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
     assert sample(probs[0], position_generator(1, 0, "target")) == 1
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-9])
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p: float) -> None:
+    """The fuzz test sent top_p 5e-324 (0 in float32): every token was masked, 0 / 0 gave NaN and the
+    router answered 503. The nucleus always keeps its first token."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, -2.0, 0.25, 0.0]])
+    probs = processed_probs(logits, SamplingParams(temperature=0.7, top_p=top_p))
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
