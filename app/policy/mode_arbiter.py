@@ -42,6 +42,14 @@ bucket come at `warm_share` and it cannot take the lead before them: at 2 stream
 spread ~30 % and single probes at ratios of 1.17 and 1.47 moved the lead (three moves in the first
 minutes; run AT, ad5aaa3; auto 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead
 moves on three probes, gathered in the bucket's first seconds.
+The fixed modes are what auto is judged against (the better of forced 'on' and 'off'); the planner
+is a model, right or wrong by the host. So a fresh arbiter starts led by a fixed mode (`first_leader`:
+plain, which needs no draft), and the planner takes the lead from a fixed mode only when its mean
+ratio clears `plan_switch_z` standard errors, not `switch_z`. With 1-s pairings spreading 15-30 % and
+three or four of them in a level, whichever mode led kept the lead when the others were close: runs
+BB-BF ended three load buckets led by the planner where a fixed policy's cells beat auto (BC b2 and
+BF b8 led by it from the start, the then default; BB b16 on four pairings that put it 13 % above
+'on'), and auto ran at 0.92, 0.94 and 0.90 of the better fixed policy there.
 The form of runs AN and AO compared each mode's own long-run goodput, and a stale figure from a faster
 period won against fresh ones (run AO: auto 0.93-0.94 of the better fixed policy at 1-4 streams).
 So the leader's figure is its latest window, dropped when the leader went unmeasured
@@ -134,6 +142,10 @@ class ModeArbiterConfig(BaseModel):
     switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only when surely above this share of "
                                                           "the leader (mean ratio - switch_z standard errors)")
     switch_z: float = Field(0.5, ge=0.0, description="standard errors of the mean ratio a new leader must clear")
+    plan_switch_z: float = Field(1.5, ge=0.0, description="... and the planner, taking the lead from a fixed mode "
+                                                          "(the fixed modes are the choices auto is judged against)")
+    first_leader: StepMode = Field("off", description="the leader of the first load bucket, before any "
+                                                      "measurement (later buckets start with the nearest one's)")
     far_z: float = Field(1.0, ge=0.0, description="standard errors by which a mode must be under far_ratio")
     probe_cv: float = Field(0.2, gt=0.0, description="prior spread of one probe's ratio (its coefficient of "
                                                      "variation; ~0.2 for 0.25-s probes at one stream, run AP-diag)")
@@ -291,7 +303,8 @@ class ModeArbiter:
             # cells at 8 streams and at 16 ran at 0.7-0.8 of 'on' until the warm-up moved the lead)
             near = min(self._buckets, key=lambda k: (abs(k.bit_length() - key.bit_length()), k), default=None)
             b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES},
-                                             leader=self._buckets[near].leader if near is not None else "plan")
+                                             leader=self._buckets[near].leader if near is not None
+                                             else self.config.first_leader)
             if near is not None and self.config.inherit_clear_losers:
                 self._inherit_clear_losers(self._buckets[near], b, now)
         if b.probe is not None and now - b.probe.last_t > self.config.stale_after_s:
@@ -416,7 +429,8 @@ class ModeArbiter:
         # one probe is noisy (a 0.25-s probe at one stream spread ~20 %): a share is cut, and the lead
         # moves, only on the mean of the probes and its standard error
         s.share = max(s.share / 2, c.min_share) if s.ratio + c.far_z * se < c.far_ratio else c.base_share
-        if s.pairings >= c.warm_pairings and s.ratio - c.switch_z * se > c.switch_ratio:
+        z = c.plan_switch_z if mode == "plan" else c.switch_z
+        if s.pairings >= c.warm_pairings and s.ratio - z * se > c.switch_ratio:
             self._switch(b, mode, now)
 
     def _switch(self, b: _Bucket, new: StepMode, now: float) -> None:

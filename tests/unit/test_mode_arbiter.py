@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.policy import ModeArbiter, ModeArbiterConfig, PolicyConfig, batch_bucket
-from app.policy.mode_arbiter import forced_mode, mode_ks
+from app.policy.mode_arbiter import _Window, forced_mode, mode_ks
 
 STEP_S = 0.01
 
@@ -25,6 +25,9 @@ class FakeClock:
 
 
 def arbiter(**config) -> ModeArbiter:
+    # most tests here were written for a first bucket led by the planner; the tests of
+    # first_leader and plan_switch_z below set their own
+    config.setdefault("first_leader", "plan")
     return ModeArbiter(ModeArbiterConfig(**config), clock=FakeClock())
 
 
@@ -519,3 +522,29 @@ def test_an_inherited_loser_that_wins_at_the_new_load_still_takes_the_lead() -> 
     assert arb.snapshot()["b16"]["leader"] == "on"
     run(arb, 6000, {"plan": 100.0, "on": 90.0, "off": 140.0}.__getitem__, batch=32, step_s=0.2)  # 20 min
     assert arb.snapshot()["b32"]["leader"] == "off"
+
+
+def test_a_fresh_arbiter_is_led_by_plain_decoding_until_a_mode_surely_beats_it() -> None:
+    arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=10, probe_min_s=0.0, settle_steps=0), clock=FakeClock())
+    assert arb.mode(1) == "off"  # no measurement yet: plain, which needs no draft
+    observe(arb, 1, "off", 90, 1.0)
+    run(arb, 200, {"plan": 100.0, "on": 130.0, "off": 90.0}.__getitem__, batch=1)
+    assert arb.snapshot()["b1"]["leader"] == "on"
+
+
+@pytest.mark.parametrize("challenger, plan_switch_z, leads", [
+    ("off", 1.5, True),  # a fixed mode moves in on this evidence (switch_z 0.5)
+    ("plan", 1.5, False),  # the planner, on the same evidence, does not
+    ("plan", 0.5, True),  # ... and the wider bar is what keeps it out
+])
+def test_the_planner_needs_surer_evidence_than_a_fixed_mode_to_take_the_lead(
+        challenger: str, plan_switch_z: float, leads: bool) -> None:
+    """Three pairings at 1.25, 0.95 and 1.20 of the leader 'on': mean 1.133, s.e. 0.093 (the prior
+    spread 0.2 shrunk in), so mean - 0.5 s.e. = 1.087 clears switch_ratio 1.01 and mean - 1.5 s.e.
+    = 0.994 does not. Runs BB-BF: close modes kept whichever lead they had, and the planner's leads
+    were where a fixed policy's cells beat auto."""
+    arb = arbiter(first_leader="on", plan_switch_z=plan_switch_z)
+    b = arb._bucket(4, arb._clock())
+    for r in (1.25, 0.95, 1.20):
+        arb._pair(b, challenger, _Window(tokens=100.0 * r, seconds=1.0, steps=8), 100.0, arb._clock())
+    assert (b.leader == challenger) is leads
