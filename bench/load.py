@@ -432,15 +432,28 @@ def print_verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
     return v
 
 
-def app_overrides(streams: int, policy: dict | None = None) -> dict:
+def app_overrides(streams: int, policy: dict | None = None, device: str = "cpu") -> dict:
     """configs/local.yaml overrides for `streams` concurrent clients: all of them in one batch; with
-    `policy`, PolicyConfig overrides too (deep-merged into the config's, as everything here)."""
+    `policy`, PolicyConfig overrides too (deep-merged into the config's, as everything here).
+    device "cuda": both models on the one GPU, target and draft replicas on fractions of it (as
+    bench/serve_gpu.py), torch's own thread count."""
     overrides: dict = {"engine": {"limits": {"max_num_seqs": streams, "max_queue": streams * 2}},
                        "target_deployment": {"max_ongoing_requests": streams * 2 + 8}}
+    if device == "cuda":
+        for model in ("target", "draft"):
+            overrides["engine"][model] = {"device": "cuda", "num_threads": None}
+        overrides["target_deployment"]["num_gpus"] = 0.5
+        overrides["draft_deployment"] = {"num_gpus": 0.4}
     if policy:
         overrides["policy"] = policy
         print(f"policy overrides {policy}", flush=True)
     return overrides
+
+
+def _card_name() -> str:
+    import torch  # only for a GPU run's plot title
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (no device visible here)"
 
 
 def _head_commit() -> str:
@@ -460,6 +473,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions per level; medians compared")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="with --start: where the embedded pair runs (cuda: one GPU shared by both replicas)")
     ap.add_argument("--policy", type=json.loads, default={},
                     help='with --start: PolicyConfig overrides as JSON, e.g. \'{"margin": 1.15}\' (an A/B of a setting)')
     ap.add_argument("--max-steal", type=float, default=None,
@@ -496,7 +511,7 @@ def main() -> None:
     if args.start:
         from bench.app_process import AppProcess, local_args
 
-        app_ctx = AppProcess(local_args(app_overrides(max(levels), args.policy)))
+        app_ctx = AppProcess(local_args(app_overrides(max(levels), args.policy, args.device)))
         app_ctx.__enter__()
         url = app_ctx.url
     discarded: list[Cell] = []
@@ -514,11 +529,12 @@ def main() -> None:
         "commit": commit,
         "wall_s": round(time.monotonic() - t0, 1),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                 "card": _card_name() if args.device == "cuda" else None,
                  "loadavg_before": [round(x, 2) for x in load_before],
                  "loadavg_after": [round(x, 2) for x in load_after]},
         "config": {"url": "started (bench.app_process)" if args.start else url, "levels": levels,
                    "duration_s": args.duration, "warmup_s": args.warmup, "rounds": args.rounds, "max_tokens": args.max_tokens,
-                   "ignore_eos": True, "temperature": 0, "prompts": "code", "pair": "configs/local.yaml embedded",
+                   "ignore_eos": True, "temperature": 0, "prompts": "code", "pair": "configs/local.yaml embedded", "device": args.device,
                    "policy_overrides": args.policy, "max_steal": args.max_steal,
                    "steal_retries": args.steal_retries},
         "cells": [asdict(c) for c in cells],
@@ -528,7 +544,8 @@ def main() -> None:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    plot(cells, levels, Path(args.png), f"specserve on CPU (embedded pair), closed-loop streams, max_tokens "
+    where = "CPU" if args.device == "cpu" else _card_name()
+    plot(cells, levels, Path(args.png), f"specserve on {where} (embedded pair), closed-loop streams, max_tokens "
                                         f"{args.max_tokens}; load avg {load_before[0]:.1f}->{load_after[0]:.1f} "
                                         f"on {os.cpu_count()} cores")
     print(f"wrote {args.json} and {args.png}")
