@@ -320,8 +320,8 @@ class ModeArbiter:
 
     def _inherit_clear_losers(self, near: _Bucket, b: _Bucket, now: float) -> None:
         """A mode the nearest load found surely worse than its leader (b's leader too) skips b's warm-up:
-        one pseudo-pairing at its ratio there, and a first probe only after probe_min_s / base_share of
-        the leader's time. Why: the warm-up's probes are the arbiter's main cost
+        one pseudo-pairing at its ratio there, and a first probe only after its last probe's length
+        there / base_share of the leader's time. Why: the warm-up's probes are the arbiter's main cost
         where a level is short and steps long; at 32 streams (runs BC, BD) b32 spent ~30 % of auto's
         time probing 'plan' and 'off', which b16 had paired at 0.71-0.78 of 'on', and auto ran at
         0.88-0.91 of forced 'on'. A mode that was close there gets the full warm-up here."""
@@ -335,8 +335,11 @@ class ModeArbiter:
             dst, r = b.stats[m], src.ratio
             dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
             # at the base share, not the (maybe cut) share there: if this load differs, the first probe
-            # comes within probe_min_s / base_share of the leader's time
-            dst.pairings, dst.probe_s = self.config.warm_pairings, self.config.probe_min_s
+            # comes within (its probe's length there) / base_share of the leader's time. The length, not
+            # probe_min_s: a 'plan' probe waits for the batch to turn over, and at 16-32 streams (run BG)
+            # one took 8.5-9.3 s, ~9 % of a level's auto time in a mode at 0.73 of 'on', 33 s in
+            dst.pairings = self.config.warm_pairings
+            dst.probe_s = max(src.probe_s, self.config.probe_min_s)
 
     def _share(self, s: _ModeStats) -> float:
         """The time share of a mode's probes: high until it is paired warm_pairings times."""

@@ -516,6 +516,21 @@ def test_a_new_load_skips_the_warm_up_of_a_mode_the_nearest_load_found_far_worse
         assert chosen["off"] >= 12  # the warm-up: three probes
 
 
+@pytest.mark.parametrize("probe_s_there, probes_here", [(0.8, 1), (6.0, 0)])
+def test_an_inherited_losers_first_probe_waits_for_the_length_of_its_probes_there(
+        probe_s_there: float, probes_here: int) -> None:
+    """Run BG: a 'plan' probe waits for the batch to turn over, and at 16 and 32 streams one took
+    8.5-9.3 s, 33 s into the level (probe_min_s / base_share), in a mode at 0.73 of 'on'. The time
+    budget counts the probe's real length: 6 s / 0.03 = 200 s of the leader first, more than a minute."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0)
+    rates = {"plan": 140.0, "on": 150.0, "off": 80.0}
+    run(arb, 1500, rates.__getitem__, batch=16, step_s=0.2)
+    arb._buckets[batch_bucket(16)].stats["off"].probe_s = probe_s_there  # as long as its last probe there took
+    chosen = run(arb, 300, rates.__getitem__, batch=32, step_s=0.2)  # a minute at the new load
+    assert arb.snapshot()["b32"]["pairings"]["off"] == 3 + probes_here
+    assert chosen["off"] == 4 * probes_here
+
+
 def test_an_inherited_loser_that_wins_at_the_new_load_still_takes_the_lead() -> None:
     arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0)
     run(arb, 1500, {"plan": 100.0, "on": 150.0, "off": 80.0}.__getitem__, batch=16, step_s=0.2)
