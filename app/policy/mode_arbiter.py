@@ -298,7 +298,7 @@ class ModeArbiter:
         key = batch_bucket(load)
         b = self._buckets.get(key)
         if b is None:
-            # a new load starts led by the nearest load's leader (the planner when none): its warm-up
+            # a new load starts led by the nearest load's leader (first_leader when none): its warm-up
             # then runs mostly in a mode likely right (run AU: led by the planner, the first two auto
             # cells at 8 streams and at 16 ran at 0.7-0.8 of 'on' until the warm-up moved the lead)
             near = min(self._buckets, key=lambda k: (abs(k.bit_length() - key.bit_length()), k), default=None)
