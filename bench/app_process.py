@@ -55,6 +55,15 @@ def merged(base: dict, overrides: dict) -> dict:
     return out
 
 
+# The embedded pair on one GPU: both models on CUDA at torch's own thread count, target and draft
+# replicas on fractions of the card (bench/serve_gpu.py, bench.load --device cuda).
+GPU_OVERRIDES: dict[str, Any] = {
+    "engine": {"target": {"device": "cuda", "num_threads": None}, "draft": {"device": "cuda", "num_threads": None}},
+    "target_deployment": {"num_gpus": 0.5},
+    "draft_deployment": {"num_gpus": 0.4},
+}
+
+
 def local_args(overrides: dict | None = None) -> dict[str, Any]:
     """configs/local.yaml's AppConfig mapping with deep-merged overrides."""
     return merged(load_yaml(LOCAL_CONFIG)["applications"][0]["args"], overrides or {})

@@ -435,15 +435,13 @@ def print_verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
 def app_overrides(streams: int, policy: dict | None = None, device: str = "cpu") -> dict:
     """configs/local.yaml overrides for `streams` concurrent clients: all of them in one batch; with
     `policy`, PolicyConfig overrides too (deep-merged into the config's, as everything here).
-    device "cuda": both models on the one GPU, target and draft replicas on fractions of it (as
-    bench/serve_gpu.py), torch's own thread count."""
+    device "cuda": the pair on one GPU (bench.app_process.GPU_OVERRIDES)."""
+    from bench.app_process import GPU_OVERRIDES, merged
+
     overrides: dict = {"engine": {"limits": {"max_num_seqs": streams, "max_queue": streams * 2}},
                        "target_deployment": {"max_ongoing_requests": streams * 2 + 8}}
     if device == "cuda":
-        for model in ("target", "draft"):
-            overrides["engine"][model] = {"device": "cuda", "num_threads": None}
-        overrides["target_deployment"]["num_gpus"] = 0.5
-        overrides["draft_deployment"] = {"num_gpus": 0.4}
+        overrides = merged(overrides, GPU_OVERRIDES)
     if policy:
         overrides["policy"] = policy
         print(f"policy overrides {policy}", flush=True)
@@ -503,6 +501,7 @@ def main() -> None:
     args.png = args.png or str(PROJECT_ROOT / "bench" / "load.png")
     levels = [int(x) for x in args.levels.split(",") if x]
 
+    card = _card_name() if args.device == "cuda" else None
     load_before = os.getloadavg()
     t0 = time.monotonic()
     commit = _head_commit()  # at the start: the code the run measured (commits may land while it runs)
@@ -529,7 +528,7 @@ def main() -> None:
         "commit": commit,
         "wall_s": round(time.monotonic() - t0, 1),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
-                 "card": _card_name() if args.device == "cuda" else None,
+                 "card": card,
                  "loadavg_before": [round(x, 2) for x in load_before],
                  "loadavg_after": [round(x, 2) for x in load_after]},
         "config": {"url": "started (bench.app_process)" if args.start else url, "levels": levels,
@@ -544,8 +543,7 @@ def main() -> None:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    where = "CPU" if args.device == "cpu" else _card_name()
-    plot(cells, levels, Path(args.png), f"specserve on {where} (embedded pair), closed-loop streams, max_tokens "
+    plot(cells, levels, Path(args.png), f"specserve on {card or 'CPU'} (embedded pair), closed-loop streams, max_tokens "
                                         f"{args.max_tokens}; load avg {load_before[0]:.1f}->{load_after[0]:.1f} "
                                         f"on {os.cpu_count()} cores")
     print(f"wrote {args.json} and {args.png}")

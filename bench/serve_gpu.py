@@ -16,7 +16,7 @@ import urllib.request
 import ray
 from ray import serve
 
-from app.config import load_yaml
+from bench.app_process import GPU_OVERRIDES, local_args
 from deployments.builder import build_app
 
 PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Config(object):\n    def __init__(self, path):\n",
@@ -30,11 +30,7 @@ def post(url: str, body: dict) -> dict:
 
 
 def main() -> None:
-    args = load_yaml("configs/local.yaml")["applications"][0]["args"]
-    for model in ("target", "draft"):
-        args["engine"][model].update(device="cuda", num_threads=None)
-    args["target_deployment"].update(num_gpus=0.5)
-    args["draft_deployment"].update(num_gpus=0.4)
+    args = local_args(GPU_OVERRIDES)
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     serve.run(build_app(args), name="specserve", route_prefix="/")

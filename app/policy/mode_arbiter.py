@@ -250,7 +250,7 @@ class _Probe:
 @dataclass
 class _Bucket:
     stats: dict[str, _ModeStats]
-    leader: StepMode = "plan"
+    leader: StepMode  # first_leader, or the nearest load's leader when the bucket was made
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # the leader's measured steps: (tokens, s,
     # stolen ticks, ticks)
     leader_t: float | None = None  # clock time of the leader's last measured step
