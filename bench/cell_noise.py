@@ -55,11 +55,13 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the embedded pair runs (cuda: one GPU shared by both replicas, as bench.load)")
     ap.add_argument("--json", help="write the cells and the summary here")
     args = ap.parse_args()
     if args.cells < 2:
         raise SystemExit("--cells must be at least 2: the spread needs two cells")
-    with AppProcess(local_args(app_overrides(args.streams))) as app:
+    with AppProcess(local_args(app_overrides(args.streams, device=args.device))) as app:
         rows = asyncio.run(cells(app.url, args))
     g = [r["goodput_tok_s"] for r in rows]
     mean = statistics.mean(g)

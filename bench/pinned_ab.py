@@ -1,6 +1,7 @@
 """Does auto's request path cost anything beyond its step choices? auto pinned to one mode vs that forced policy.
 
     .venv/bin/python -m bench.pinned_ab --streams 4 --pairs 7 --mode on
+    python3 -m bench.pinned_ab --device cuda --streams 1 --pairs 7 --mode off   # the embedded pair on one GPU
 
 With `policy.mode_arbiter.pinned_mode` set, every adaptive batch runs in that mode and the arbiter
 never probes, so an `auto` request differs from a forced one only in its path: the router's
@@ -46,10 +47,12 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the embedded pair runs (cuda: one GPU shared by both replicas, as bench.load)")
     args = ap.parse_args()
     if args.pairs < 2:
         raise SystemExit("--pairs must be at least 2: the standard error needs two pairs")
-    overrides = app_overrides(args.streams, {"mode_arbiter": {"pinned_mode": args.mode}})
+    overrides = app_overrides(args.streams, {"mode_arbiter": {"pinned_mode": args.mode}}, args.device)
     with AppProcess(local_args(overrides)) as app:
         ratios = asyncio.run(pairs(app.url, args))
     print("auto / " + args.mode + " per pair:", " ".join(f"{r:.3f}" for r in ratios))
