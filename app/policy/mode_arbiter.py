@@ -160,6 +160,10 @@ class ModeArbiterConfig(BaseModel):
                                                                    "it is dropped (needs a steal meter)")
     inherit_clear_losers: bool = Field(True, description="a new load skips the warm-up of a mode the nearest load "
                                                          "found surely under far_ratio of their common leader")
+    window_lifetimes: float = Field(1.0, ge=0.0, description="every window (the leader's before and after a probe, "
+                                                              "the probe's) lasts at least this many mean sequence "
+                                                              "lifetimes at its load, up to probe_max_s / 2 (closed-"
+                                                              "loop batches move in waves; run BK, 32 streams)")
     load_window_s: float = Field(1.0, ge=0.0, description="a step is judged in the bucket of its load: the largest "
                                                           "batch of the last this many seconds, its own included "
                                                           "(0: the step's own batch size)")
@@ -261,9 +265,11 @@ class _Bucket:
     pairs: deque = field(default_factory=lambda: deque(maxlen=8))  # the last pairings, for the snapshot
     steal_dropped: int = 0  # pairings dropped because the host's steal moved across them
     chosen_s: dict[str, float] = field(default_factory=lambda: {m: 0.0 for m in MODES})  # wall s of chosen steps
+    lifetime_s: float | None = None  # decaying mean of the wall seconds a sequence spent in the batch at this load
 
 
 class ModeArbiter:
+    LULL_S = 0.5  # an engine idle this long between two steps was emptied, not turned over
     def __init__(self, config: ModeArbiterConfig | None = None, clock: Callable[[], float] = time.monotonic,
                  steal_meter: Callable[[], tuple[int, int]] | None = None) -> None:
         """`steal_meter`: (stolen, all) host CPU ticks since its previous call, read once per observed
@@ -276,6 +282,8 @@ class ModeArbiter:
         self._last_mode: StepMode | None = None  # the mode of the engine's last step, any bucket
         # the modes each running sequence has stepped in since it joined (the last step's batch)
         self._seq_modes: dict[str, frozenset[StepMode]] = {}
+        self._born: dict[str, float] = {}  # clock time each running sequence's first observed step began
+        self._last_end: float | None = None  # clock time the last observed step ended
         # recent steps' (clock time, batch size), times increasing and sizes decreasing: a sliding
         # window's maximum is its first unexpired entry
         self._sizes: deque[tuple[float, int]] = deque()
@@ -345,8 +353,15 @@ class ModeArbiter:
         """The time share of a mode's probes: high until it is paired warm_pairings times."""
         return self.config.warm_share if s.pairings < self.config.warm_pairings else s.share
 
-    def _enough(self, w: _Window) -> bool:
-        return w.steps >= self.config.probe_min_steps and w.seconds >= self.config.probe_min_s
+    def _window_s(self, b: _Bucket) -> float:
+        """A window's least measured seconds at this load: probe_min_s, or window_lifetimes mean sequence
+        lifetimes, whichever is longer (capped at probe_max_s / 2, so a probe can still end)."""
+        c = self.config
+        lifetimes = c.window_lifetimes * b.lifetime_s if b.lifetime_s is not None else 0.0
+        return max(c.probe_min_s, min(lifetimes, c.probe_max_s / 2))
+
+    def _enough(self, w: _Window, b: _Bucket) -> bool:
+        return w.steps >= self.config.probe_min_steps and w.seconds >= self._window_s(b)
 
     def _leader_window(self, b: _Bucket, now: float) -> _Window:
         """The leader's latest measured steps, as few as make a probe's length; none when the leader
@@ -357,7 +372,7 @@ class ModeArbiter:
             return w
         for step in reversed(b.recent):
             w.add(*step)
-            if self._enough(w):
+            if self._enough(w, b):
                 break
         return w
 
@@ -372,9 +387,9 @@ class ModeArbiter:
         if p is not None and p.running:
             # as many *measured* steps and seconds as the leader's windows (settling steps, and 'plan'
             # steps of a batch not yet turned over, come on top); capped, so that a probe still ends
-            if not self._enough(p.during) and p.phase_s < self.config.probe_max_s:
+            if not self._enough(p.during, b) and p.phase_s < self.config.probe_max_s:
                 return p.mode
-            if not self._enough(p.during):
+            if not self._enough(p.during, b):
                 self._drop_probe(b)
                 return b.leader
             p.running, p.phase_s = False, 0.0  # now the leader's window after it
@@ -383,7 +398,7 @@ class ModeArbiter:
         if b.probe is not None:
             return b.leader
         before = self._leader_window(b, now)
-        if not self._enough(before):  # the leader first: a probe is only worth its pairing
+        if not self._enough(before, b):  # the leader first: a probe is only worth its pairing
             return b.leader
         others = [m for m in MODES if m != b.leader]
         # never probed: due now (a mode whose probe was dropped waits its share, see _drop_probe)
@@ -413,6 +428,24 @@ class ModeArbiter:
         """The batch's sequences have now stepped in `mode`; those not in it have finished."""
         if seq_ids is not None:
             self._seq_modes = {s: self._seq_modes.get(s, frozenset()) | {mode} for s in seq_ids}
+
+    def _record_lifetimes(self, b: _Bucket, seq_ids: Sequence[str] | None, seconds: float, now: float) -> None:
+        """Sequences of the last step missing from this one have left: their time in the batch (from the
+        start of their first observed step to the end of their last) joins this load's mean lifetime."""
+        if seq_ids is None:
+            return
+        ids = set(seq_ids)
+        # across a lull the engine emptied (in the benchmark: a cell's streams closed) the departed
+        # were mostly cancelled mid-way, not finished: forgotten, not counted
+        finished = self._last_end is not None and now - max(seconds, 0.0) - self._last_end <= self.LULL_S
+        for s in [s for s in self._born if s not in ids]:
+            born = self._born.pop(s)
+            if finished:
+                life = max(self._last_end - born, 0.0)
+                b.lifetime_s = life if b.lifetime_s is None else b.lifetime_s + 0.1 * (life - b.lifetime_s)
+        for s in seq_ids:
+            self._born.setdefault(s, now - max(seconds, 0.0))
+        self._last_end = now
 
     def _decay_evidence(self, s: _ModeStats, now: float) -> None:
         f = 0.5 ** (max(now - s.evidence_t, 0.0) / self.config.evidence_half_life_s)
@@ -471,6 +504,7 @@ class ModeArbiter:
         self._step_load = None
         self._remember(batch_size, now)
         b = self._bucket(load, now)
+        self._record_lifetimes(b, seq_ids, seconds, now)
         b.steps_by_mode[mode] += 1
         if chosen:
             b.chosen_s[mode] += max(seconds, 0.0)
@@ -501,7 +535,7 @@ class ModeArbiter:
                     b.stats[m].waited_s += seconds
             if p is not None and not p.running:
                 p.after.add(tokens, seconds, stolen, ticks)
-                if self._enough(p.after):
+                if self._enough(p.after, b):
                     b.probe = None
                     if self._steal_moved(p):
                         b.steal_dropped += 1
@@ -535,6 +569,7 @@ class ModeArbiter:
                 "probes": b.probes,
                 "steal_dropped": b.steal_dropped,
                 "chosen_s": {m: round(v, 1) for m, v in b.chosen_s.items()},  # wall s of the arbiter's own steps
+                "window_s": round(self._window_s(b), 2),  # a window's least measured seconds here
                 "last_pairs": [list(p) for p in b.pairs],  # probes: (mode, its goodput, the leader's before, after, steps)
             }
             for key, b in sorted(self._buckets.items())

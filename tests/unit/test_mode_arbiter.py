@@ -563,3 +563,57 @@ def test_the_planner_needs_surer_evidence_than_a_fixed_mode_to_take_the_lead(
     for r in (1.25, 0.95, 1.20):
         arb._pair(b, challenger, _Window(tokens=100.0 * r, seconds=1.0, steps=8), 100.0, arb._clock())
     assert (b.leader == challenger) is leads
+
+
+def run_waves(arb: ModeArbiter, seconds: float, rates: dict[str, float], *, streams: int = 8,
+              lifetime_steps: int = 20, step_s: float = 0.1, high_steps: int = 8) -> None:
+    """A closed loop whose requests move in waves, as the benchmark's do (equal max_tokens, ignore_eos:
+    run BK's forced 'off' cells at 32 streams finished exactly two waves of 32 requests each): every
+    sequence joins at once and leaves at once. A step's goodput follows its phase in the wave (fresh
+    batches run fast, the last steps of a wave slow: capped drafts, finishes, refills), at the mode's
+    rate on average over a wave."""
+    low_steps = lifetime_steps - high_steps
+    high, low = 1.5, (lifetime_steps - 1.5 * high_steps) / low_steps  # the factors average to 1 over a wave
+    wave, phase = 0, 0
+    end = arb._clock.t + seconds
+    while arb._clock.t < end:
+        mode = arb.mode(streams)
+        ids = [f"w{wave}s{i}" for i in range(streams)]
+        factor = high if phase < high_steps else low
+        observe(arb, streams, mode, rates[mode] * step_s * factor, step_s, seq_ids=ids)
+        phase += 1
+        if phase == lifetime_steps:
+            wave, phase = wave + 1, 0
+
+
+@pytest.mark.parametrize("window_lifetimes", [1.0, 0.0])
+def test_windows_span_a_sequence_lifetime_so_waves_do_not_bias_a_pairing(window_lifetimes: float) -> None:
+    """Run BK at 32 streams: a probe of the planner, measured only once the batch turned over, began
+    at a fresh wave and its 1-s window saw the wave's fast part; the leader's window after it saw the
+    slow end. Three pairings at 1.19-1.26 (the 'on' windows after them at 600-670 tok/s against
+    1000-1100 before) made the planner lead, and auto ran at 0.949 of forced 'on'. With every window
+    at least one mean lifetime long, each covers a whole wave and the planner pairs at its true 0.9."""
+    rates = {"plan": 900.0, "on": 1000.0, "off": 700.0}
+    arb = arbiter(first_leader="on", window_lifetimes=window_lifetimes)
+    run_waves(arb, 600.0, rates)
+    snap = arb.snapshot()["b8"]
+    if window_lifetimes:
+        assert snap["window_s"] == pytest.approx(2.0, rel=0.1), snap  # 20 steps of 0.1 s
+        assert snap["leader"] == "on", snap
+        assert snap["ratio"]["plan"] == pytest.approx(0.9, abs=0.05), snap
+    else:  # 1-s windows: the phase, not the mode, decides the pairing
+        assert snap["leader"] == "plan" or snap["ratio"]["plan"] > 1.0, snap
+
+
+def test_a_lull_forgets_the_sequences_it_emptied_rather_than_timing_them() -> None:
+    """Streams closed at a cell's end are cancelled mid-way: their time in the batch is no lifetime."""
+    arb = arbiter(settle_steps=0)
+    for _ in range(30):
+        observe(arb, 2, "on", 10, 0.1, seq_ids=["a", "b"])
+    arb._clock.t += 5.0  # the engine sat empty
+    observe(arb, 2, "on", 10, 0.1, seq_ids=["c", "d"])
+    assert arb._buckets[batch_bucket(2)].lifetime_s is None
+    for _ in range(10):
+        observe(arb, 2, "on", 10, 0.1, seq_ids=["c", "d"])
+    observe(arb, 2, "on", 10, 0.1, seq_ids=["e", "f"])  # c and d finished: 11 steps of 0.1 s
+    assert arb._buckets[batch_bucket(2)].lifetime_s == pytest.approx(1.1)
