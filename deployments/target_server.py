@@ -27,7 +27,6 @@ from app.model_runner import ContextOverflow, ModelRunner
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
 from app.policy.mode_arbiter import forced_mode, mode_ks
-from app.policy.step_wall import StepWall
 from app.proposers import NgramProposer, Proposer
 from deployments.metrics_ray import ServeMetrics
 
@@ -154,7 +153,7 @@ class TargetServer:
                         if c.mode_arbiter.enabled else None)
         # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
         self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
-        self.step_wall = StepWall()
+        self._last_step_end: float | None = None
         self._mode_steps = 0
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
@@ -207,13 +206,12 @@ class TargetServer:
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         times = engine.last_times
         now = time.perf_counter()
-        observed = self._step_mode is not None and times.batch_size > 0 and self.arbiter is not None
-        # what the step stands for in the arbiter's goodput: its time and tokens with its newcomers',
-        # the loop's short gap before it, and any prefill-only step before it (app/policy/step_wall.py)
-        measured = self.step_wall.step(now, seconds, sum(len(u.token_ids) for u in updates),
-                                       batch_size=times.batch_size, observed=observed)
-        if observed and measured is not None:
-            tokens, wall = measured
+        if self._step_mode is not None and times.batch_size and self.arbiter is not None:
+            # the step's wall time: the engine step without newcomers' prefill, plus the loop's own time
+            # since the last step (streaming, metrics) unless the engine sat idle in between
+            gap = now - self._last_step_end - seconds if self._last_step_end is not None else 0.0
+            wall = seconds - times.prefill + (gap if 0.0 <= gap <= max(0.05, seconds) else 0.0)
+            tokens = sum(len(u.token_ids) for u in updates[:times.batch_size])  # the batch's updates come first
             mode, chosen, seq_ids = self._step_mode
             self.arbiter.observe(times.batch_size, mode, tokens, wall, chosen=chosen, seq_ids=seq_ids)
             if chosen:
@@ -221,7 +219,7 @@ class TargetServer:
             self._mode_steps += 1
             if self._mode_steps % 2000 == 0:
                 log.info("step modes by load bucket %s", self.arbiter.snapshot())
-        self._step_mode = None
+        self._step_mode, self._last_step_end = None, now
         if self._planned is not None:
             plan, candidates = self._planned
             self._planned = None
