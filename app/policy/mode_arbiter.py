@@ -41,11 +41,22 @@ is cut only when mean + `far_z` s.e. < `far_ratio`. A mode's first `warm_pairing
 bucket come at `warm_share` and it cannot take the lead before them: at 2 streams 0.25-s windows
 spread ~30 % and single probes at ratios of 1.17 and 1.47 moved the lead (three moves in the first
 minutes; run AT, ad5aaa3; auto 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead
-moves on three probes, gathered in the bucket's first seconds.
+moves on three probes, gathered in the bucket's first seconds. The warm-up's cost is its probes,
+three a mode whatever their share; the share only spaces them, and the longer it spaces them the
+longer a wrong first leader leads (run BK: b4 started led by b2's 'off' and ran 11.8 s of its 75
+there, where 'on' won by 9 %). So the fixed modes warm up at the leader's own time (share 1), and
+the leader's window after a probe counts towards the next one's wait.
+Closed-loop batches of equal requests move in waves (run BK's forced 'off' cells at 32 streams
+finished exactly two waves of 32 requests each): a step's goodput follows its phase in the wave, and
+a 1-s window measured a phase, not a mode. A planner probe began at a fresh wave (its window waits
+for the batch to turn over) and the leader's window after it saw the wave's slow end: three
+pairings at 1.19-1.26 made the planner lead b32, and auto ran at 0.949 of forced 'on'. So every
+window lasts at least `window_lifetimes` mean sequence lifetimes at its load.
 The fixed modes are what auto is judged against (the better of forced 'on' and 'off'); the planner
 is a model, right or wrong by the host. So a fresh arbiter starts led by a fixed mode (`first_leader`:
-plain, which needs no draft), and the planner takes the lead from a fixed mode only when its mean
-ratio clears `plan_switch_z` standard errors, not `switch_z`. With 1-s pairings spreading 15-30 % and
+plain, which needs no draft), the planner takes the lead from a fixed mode only when its mean
+ratio clears `plan_switch_z` standard errors, not `switch_z`, and it is probed as the long shot it
+is: at a new load after the fixed modes, at `plan_warm_share` of the leader's time. With 1-s pairings spreading 15-30 % and
 three or four of them in a level, whichever mode led kept the lead when the others were close: runs
 BB-BF ended three load buckets led by the planner where a fixed policy's cells beat auto (BC b2 and
 BF b8 led by it from the start, the then default; BB b16 on four pairings that put it 13 % above
@@ -131,7 +142,11 @@ class ModeArbiterConfig(BaseModel):
     settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
     warm_pairings: int = Field(3, ge=1, description="a mode's first this many pairings in a bucket are probed at "
                                                     "warm_share, and it takes the lead only after them")
-    warm_share: float = Field(0.5, gt=0.0, le=1.0, description="time share of probes of a mode not yet paired "
+    plan_warm_share: float = Field(0.05, gt=0.0, le=1.0, description="... and of the planner's, which also waits "
+                                                                    "its last probe's length (probe_min_s, or the "
+                                                                    "nearest load's) / this share before its first "
+                                                                    "probe at a load: a model, the long shot")
+    warm_share: float = Field(1.0, gt=0.0, le=1.0, description="time share of probes of a fixed mode not yet paired "
                                                                "warm_pairings times")
     base_share: float = Field(0.03, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader "
                                                                 "(0.05: probes took ~13 % of auto's time at 2 streams "
@@ -315,6 +330,13 @@ class ModeArbiter:
                                              else self.config.first_leader)
             if near is not None and self.config.inherit_clear_losers:
                 self._inherit_clear_losers(self._buckets[near], b, now)
+            if b.leader != "plan" and b.stats["plan"].probe_s == 0:
+                # the planner is the long shot: its first probe here waits its share of a probe's length
+                # (every fixed mode's is due at once). Its probes wait for the batch to turn over: in run
+                # BK the three of its warm-up took 8.8 s of auto's ~72 at 16 streams, in a mode at 0.88
+                # of 'on'; it led no load in runs BH-BK but one it led wrongly (b32 in BK)
+                near_s = self._buckets[near].stats["plan"].probe_s if near is not None else 0.0
+                b.stats["plan"].probe_s = max(near_s, self.config.probe_min_s)
         if b.probe is not None and now - b.probe.last_t > self.config.stale_after_s:
             b.probe = None  # a lull or forced traffic: its pairing would span it (the leader's window goes
             # stale by itself, see _leader_window)
@@ -349,9 +371,12 @@ class ModeArbiter:
             dst.pairings = self.config.warm_pairings
             dst.probe_s = max(src.probe_s, self.config.probe_min_s)
 
-    def _share(self, s: _ModeStats) -> float:
-        """The time share of a mode's probes: high until it is paired warm_pairings times."""
-        return self.config.warm_share if s.pairings < self.config.warm_pairings else s.share
+    def _share(self, m: StepMode, s: _ModeStats) -> float:
+        """The time share of a mode's probes: high for a fixed mode until it is paired warm_pairings times."""
+        c = self.config
+        if s.pairings >= c.warm_pairings:
+            return s.share
+        return c.plan_warm_share if m == "plan" else c.warm_share
 
     def _window_s(self, b: _Bucket) -> float:
         """A window's least measured seconds at this load: probe_min_s, or window_lifetimes mean sequence
@@ -403,10 +428,10 @@ class ModeArbiter:
         others = [m for m in MODES if m != b.leader]
         # never probed: due now (a mode whose probe was dropped waits its share, see _drop_probe)
         unpaired = [m for m in others if b.stats[m].ratio is None and b.stats[m].probe_s == 0]
-        due = unpaired or [m for m in others if b.stats[m].due(self._share(b.stats[m]))]
+        due = unpaired or [m for m in others if b.stats[m].due(self._share(m, b.stats[m]))]
         if not due:
             return b.leader
-        mode = max(due, key=lambda m: b.stats[m].waited_s * self._share(b.stats[m]))  # the longest-waiting first
+        mode = max(due, key=lambda m: b.stats[m].waited_s * self._share(m, b.stats[m]))  # the longest-waiting first
         b.probe = _Probe(mode, before, last_t=now)
         b.stats[mode].probe_s = 0.0
         b.probes += 1
@@ -544,6 +569,11 @@ class ModeArbiter:
                     b.pairs.append((p.mode, round(p.during.goodput, 1), round(p.before.goodput, 1),
                                     round(p.after.goodput, 1), p.during.steps))
                     self._pair(b, p.mode, p.during, (p.before.goodput + p.after.goodput) / 2, now)
+                    if p.mode != b.leader:
+                        # the leader's window after the probe is leader time since it: it counts
+                        # towards the next probe's wait (a warm-up at share 1 then alternates probe and
+                        # leader windows, and three pairings take ~6 s at one stream, not ~12)
+                        b.stats[p.mode].waited_s = p.after.seconds
 
     def _steal_moved(self, p: _Probe) -> bool:
         """Whether the host's steal share during the probe was more than max_steal_gap away from the mean of

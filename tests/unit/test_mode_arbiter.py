@@ -90,7 +90,7 @@ def test_probes_are_budgeted_in_time_not_steps() -> None:
 
 
 def test_a_close_mode_stays_probed_at_the_base_share() -> None:
-    cfg = ModeArbiterConfig(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.1)
+    cfg = ModeArbiterConfig(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.1, first_leader="plan")
     arb = ModeArbiter(cfg, clock=FakeClock())
     rates = {"plan": 100.0, "on": 98.0, "off": 50.0}
     run(arb, 2000, rates.__getitem__)
@@ -426,7 +426,7 @@ def test_a_plan_step_is_unmeasured_while_a_sequence_that_ran_another_mode_is_in_
 def test_a_probe_that_cannot_fill_its_window_is_dropped_and_its_mode_waits() -> None:
     """Leader 'on'; a probe of 'plan' on a batch that never turns over is never measured: it ends
     unpaired after probe_max_s, and the planner is not probed again before its share of that time."""
-    arb = arbiter(settle_steps=0, probe_max_s=3.0, warm_share=0.5)
+    arb = arbiter(settle_steps=0, probe_max_s=3.0, warm_share=0.5, plan_warm_share=0.5)
     arb._bucket(2, arb._clock()).leader = "on"
     ids = ["long-a", "long-b"]
     modes: list[str] = []
@@ -617,3 +617,43 @@ def test_a_lull_forgets_the_sequences_it_emptied_rather_than_timing_them() -> No
         observe(arb, 2, "on", 10, 0.1, seq_ids=["c", "d"])
     observe(arb, 2, "on", 10, 0.1, seq_ids=["e", "f"])  # c and d finished: 11 steps of 0.1 s
     assert arb._buckets[batch_bucket(2)].lifetime_s == pytest.approx(1.1)
+
+
+def _warm_up_until_on_leads(warm_share: float) -> tuple[float, dict[str, float]]:
+    arb = arbiter(first_leader="off", warm_share=warm_share)
+    rates = {"plan": 950.0, "on": 1100.0, "off": 1000.0}
+    start = arb._clock.t
+    while arb.snapshot().get("b4", {}).get("leader") != "on":
+        run(arb, 1, rates.__getitem__, step_s=0.01)
+        assert arb._clock.t - start < 120.0, arb.snapshot()
+    return arb._clock.t - start, arb.snapshot()["b4"]["chosen_s"]
+
+
+def test_the_warm_up_at_an_equal_share_hands_a_wrong_first_lead_over_sooner_for_the_same_probes() -> None:
+    """Run BK at 4 streams: b4 began led by b2's 'off', where 'on' won by ~9 %, and ran 11.8 s of
+    its 75 in 'off' before the three warm-up pairings moved the lead. The warm-up is three probes of
+    each mode whatever their share; the share only spaces them out, so probing at the leader's own
+    time (1.0, not 0.5) finishes the warm-up in about two thirds of the time for the same probe time."""
+    equal_s, equal_modes = _warm_up_until_on_leads(1.0)
+    half_s, half_modes = _warm_up_until_on_leads(0.5)
+    assert equal_s < 0.8 * half_s, (equal_s, half_s)
+    assert equal_modes["off"] < 0.8 * half_modes["off"], (equal_modes, half_modes)  # the wrong leader's time
+    assert equal_modes["on"] == pytest.approx(half_modes["on"], rel=0.25)  # ... for the same probes
+
+
+def test_the_planner_is_the_long_shot_probed_after_the_fixed_modes_and_at_a_small_share() -> None:
+    """Run BK: the planner's three warm-up probes took 4.7-8.8 s of auto's ~72 s at every load, in a
+    mode 0-12 % worse than the leader, and it led no load rightly in runs BH-BK. At a new load the
+    fixed modes are probed at once; the planner's first probe waits probe_min_s / plan_warm_share."""
+    arb = arbiter(first_leader="off", plan_warm_share=0.05)
+    rates = {"plan": 1050.0, "on": 900.0, "off": 1000.0}
+    start = arb._clock.t
+    while arb._clock.t - start < 15.0:
+        run(arb, 1, rates.__getitem__, step_s=0.01)
+    snap = arb.snapshot()["b4"]
+    assert snap["pairings"]["on"] >= 3 and snap["pairings"]["plan"] == 0, snap
+    while arb._clock.t - start < 120.0:
+        run(arb, 1, rates.__getitem__, step_s=0.01)
+    snap = arb.snapshot()["b4"]
+    assert 1 <= snap["pairings"]["plan"] <= 4, snap  # ~one probe per 20 s of the leader's time
+    assert snap["chosen_s"]["plan"] < 0.06 * 120.0, snap
