@@ -657,3 +657,22 @@ def test_the_planner_is_the_long_shot_probed_after_the_fixed_modes_and_at_a_smal
     snap = arb.snapshot()["b4"]
     assert 1 <= snap["pairings"]["plan"] <= 4, snap  # ~one probe per 20 s of the leader's time
     assert snap["chosen_s"]["plan"] < 0.06 * 120.0, snap
+
+
+def test_a_mode_that_pairs_above_the_leader_is_raced_until_the_lead_moves() -> None:
+    """Run BN, 4 streams: 'on' (truly 9 % faster) paired at 1.10, 1.02 and 0.93 of the inherited
+    leader 'off' in its warm-up, short of the switch; at the base share its next probe came 33 s
+    later. A mode whose mean ratio is above the leader's is probed at warm_share until it is decided."""
+    arb = arbiter(first_leader="off", plan_warm_share=0.01)
+    rates = {"plan": 900.0, "on": 1090.0, "off": 1000.0}
+    unlucky = iter([0.93, 0.97, 0.88])  # the host's noise on the warm-up's three 'on' windows
+    factor, start, last = 1.0, arb._clock.t, None
+    while arb.snapshot().get("b4", {}).get("leader") != "on":
+        mode = arb.mode(4)
+        if mode == "on" and last != "on":
+            factor = next(unlucky, 1.0)
+        last = mode
+        observe(arb, 4, mode, rates[mode] * (factor if mode == "on" else 1.0) * 0.01, 0.01)
+        assert arb._clock.t - start < 60.0, arb.snapshot()
+    assert arb.snapshot()["b4"]["pairings"]["on"] >= 4
+    assert arb._clock.t - start < 15.0, arb.snapshot()  # at the base share: > 33 s
