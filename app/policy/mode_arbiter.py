@@ -56,8 +56,9 @@ The fixed modes are what auto is judged against (the better of forced 'on' and '
 is a model, right or wrong by the host. So a fresh arbiter starts led by a fixed mode (`first_leader`:
 plain, which needs no draft), the planner takes the lead from a fixed mode only when its mean
 ratio clears `plan_switch_z` standard errors, not `switch_z`, and it is probed as the long shot it
-is: at a new load after the fixed modes, at `plan_warm_share` of the leader's time. With 1-s pairings spreading 15-30 % and
-three or four of them in a level, whichever mode led kept the lead when the others were close: runs
+is: at a new load after the fixed modes, at `plan_warm_share` of the leader's time. With 1-s pairings
+spreading 15-30 % and three or four of them in a level, whichever mode led kept the lead when the
+others were close: runs
 BB-BF ended three load buckets led by the planner where a fixed policy's cells beat auto (BC b2 and
 BF b8 led by it from the start, the then default; BB b16 on four pairings that put it 13 % above
 'on'), and auto ran at 0.92, 0.94 and 0.90 of the better fixed policy there.
@@ -285,6 +286,7 @@ class _Bucket:
 
 class ModeArbiter:
     LULL_S = 0.5  # an engine idle this long between two steps was emptied, not turned over
+
     def __init__(self, config: ModeArbiterConfig | None = None, clock: Callable[[], float] = time.monotonic,
                  steal_meter: Callable[[], tuple[int, int]] | None = None) -> None:
         """`steal_meter`: (stolen, all) host CPU ticks since its previous call, read once per observed
@@ -465,17 +467,17 @@ class ModeArbiter:
         start of their first observed step to the end of their last) joins this load's mean lifetime."""
         if seq_ids is None:
             return
-        ids = set(seq_ids)
+        ids, start = set(seq_ids), now - max(seconds, 0.0)  # this step began at `start`
         # across a lull the engine emptied (in the benchmark: a cell's streams closed) the departed
         # were mostly cancelled mid-way, not finished: forgotten, not counted
-        finished = self._last_end is not None and now - max(seconds, 0.0) - self._last_end <= self.LULL_S
+        finished = self._last_end is not None and start - self._last_end <= self.LULL_S
         for s in [s for s in self._born if s not in ids]:
             born = self._born.pop(s)
             if finished:
                 life = max(self._last_end - born, 0.0)
                 b.lifetime_s = life if b.lifetime_s is None else b.lifetime_s + 0.1 * (life - b.lifetime_s)
         for s in seq_ids:
-            self._born.setdefault(s, now - max(seconds, 0.0))
+            self._born.setdefault(s, start)
         self._last_end = now
 
     def _decay_evidence(self, s: _ModeStats, now: float) -> None:
