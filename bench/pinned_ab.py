@@ -10,6 +10,10 @@ This deploys the app with the pin, runs one auto cell to settle, then `--pairs` 
 (auto and the forced policy, the order alternating) and reports auto / forced per pair, their mean
 and its standard error. A ratio near 1 puts any gap between auto and the forced policy in
 bench/load.py on the arbiter's choices (its probes), not on the path.
+
+`--free` leaves the arbiter free (no pin) and settles for `--settle` seconds of auto first, so that
+its warm-up at this load is over before the pairs: auto / forced is then the steady-state cost of its
+probes and switches at one load, apart from the warm-up a sweep's level also pays.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from bench.load import app_overrides, run_cell, wait_idle
 
 
 async def pairs(url: str, args: argparse.Namespace) -> list[float]:
-    await run_cell(url, "auto", args.streams, args.warmup, 8.0, args.max_tokens, 0)  # settle
+    await run_cell(url, "auto", args.streams, args.warmup, args.settle, args.max_tokens, 0)  # settle
     ratios = []
     for i in range(args.pairs):
         order = (args.mode, "auto") if i % 2 == 0 else ("auto", args.mode)
@@ -47,12 +51,15 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--free", action="store_true", help="no pin: the arbiter chooses (and probes) as in bench.load")
+    ap.add_argument("--settle", type=float, default=8.0, help="seconds of auto before the pairs")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the embedded pair runs (cuda: one GPU shared by both replicas, as bench.load)")
     args = ap.parse_args()
     if args.pairs < 2:
         raise SystemExit("--pairs must be at least 2: the standard error needs two pairs")
-    overrides = app_overrides(args.streams, {"mode_arbiter": {"pinned_mode": args.mode}}, args.device)
+    pin = None if args.free else {"mode_arbiter": {"pinned_mode": args.mode}}
+    overrides = app_overrides(args.streams, pin, args.device)
     with AppProcess(local_args(overrides)) as app:
         ratios = asyncio.run(pairs(app.url, args))
     print("auto / " + args.mode + " per pair:", " ".join(f"{r:.3f}" for r in ratios))

@@ -7,6 +7,7 @@ request router); an n-gram proposer runs in-process instead.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from app.model_runner import ContextOverflow, ModelRunner
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
 from app.policy.mode_arbiter import forced_mode, mode_ks
+from app.policy.step_wall import StepWall
 from app.proposers import NgramProposer, Proposer
 from deployments.metrics_ray import ServeMetrics
 
@@ -153,12 +155,15 @@ class TargetServer:
                         if c.mode_arbiter.enabled else None)
         # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
         self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
-        self._last_step_end: float | None = None
+        self.step_wall = StepWall()
+        self._last_step_end: float | None = None  # for the step trace's gaps
         self._mode_steps = 0
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self._planned: tuple[StepPlan, list[StepCandidate]] | None = None  # this step's plan and batch, set in _plan_k
         self._plans_seen, self._depths = 0, {}  # for a periodic log line of the plans' depths
+        trace = c.mode_arbiter.step_trace_path
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 — line-buffered: the replica may be killed
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
 
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
@@ -203,15 +208,26 @@ class TargetServer:
         self._planned = (plan, candidates)  # its realized time is fed back in _on_step
         return plan.ks
 
+    def _trace_step(self, times, updates, seconds: float, now: float) -> None:
+        """One JSON line per engine step (policy.mode_arbiter.step_trace_path, a diagnostic)."""
+        mode, chosen, ids = self._step_mode if self._step_mode is not None else (None, False, ())
+        self._trace.write(json.dumps({
+            "t": round(now, 6), "s": round(seconds, 6), "prefill": round(times.prefill, 6),
+            "gap": round(now - self._last_step_end - seconds, 6) if self._last_step_end is not None else None,
+            "bs": times.batch_size, "tok": sum(len(u.token_ids) for u in updates[:times.batch_size]),
+            "new_tok": sum(len(u.token_ids) for u in updates[times.batch_size:]),
+            "drafted": sum(u.drafted for u in updates), "mode": mode, "chosen": chosen, "ids": list(ids)}) + "\n")
+
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         times = engine.last_times
         now = time.perf_counter()
-        if self._step_mode is not None and times.batch_size and self.arbiter is not None:
-            # the step's wall time: the engine step without newcomers' prefill, plus the loop's own time
-            # since the last step (streaming, metrics) unless the engine sat idle in between
-            gap = now - self._last_step_end - seconds if self._last_step_end is not None else 0.0
-            wall = seconds - times.prefill + (gap if 0.0 <= gap <= max(0.05, seconds) else 0.0)
-            tokens = sum(len(u.token_ids) for u in updates[:times.batch_size])  # the batch's updates come first
+        observed = self._step_mode is not None and times.batch_size > 0 and self.arbiter is not None
+        # what the step stands for in the arbiter's goodput: its time and tokens with its newcomers',
+        # the loop's short gap before it, and any prefill-only step before it (app/policy/step_wall.py)
+        measured = self.step_wall.step(now, seconds, sum(len(u.token_ids) for u in updates),
+                                       batch_size=times.batch_size, observed=observed)
+        if observed and measured is not None:
+            tokens, wall = measured
             mode, chosen, seq_ids = self._step_mode
             self.arbiter.observe(times.batch_size, mode, tokens, wall, chosen=chosen, seq_ids=seq_ids)
             if chosen:
@@ -219,6 +235,8 @@ class TargetServer:
             self._mode_steps += 1
             if self._mode_steps % 2000 == 0:
                 log.info("step modes by load bucket %s", self.arbiter.snapshot())
+        if self._trace is not None:
+            self._trace_step(times, updates, seconds, now)
         self._step_mode, self._last_step_end = None, now
         if self._planned is not None:
             plan, candidates = self._planned

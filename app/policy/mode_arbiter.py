@@ -131,6 +131,9 @@ class ModeArbiterConfig(BaseModel):
     pinned_mode: StepMode | None = Field(None, description="a diagnostic A/B: every adaptive batch runs in this mode, "
                                                            "no probes (auto's request path with one step choice, "
                                                            "against the forced policy of that mode)")
+    step_trace_path: str | None = Field(None, description="a diagnostic: the target server appends every engine "
+                                                           "step (times, tokens, mode, sequence ids) to this file "
+                                                           "as a JSON line (bench.step_trace reads it)")
     probe_min_steps: int = Field(8, ge=1, description="a probe of a non-leading mode runs at least this many steps "
                                                       "(4-step windows at 32 streams differed up to 2x, run AT)")
     probe_min_s: float = Field(1.0, ge=0.0, description="... and at least this many seconds; the leader is measured "
@@ -143,10 +146,12 @@ class ModeArbiterConfig(BaseModel):
     settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
     warm_pairings: int = Field(3, ge=1, description="a mode's first this many pairings in a bucket are probed at "
                                                     "warm_share, and it takes the lead only after them")
-    plan_warm_share: float = Field(0.05, gt=0.0, le=1.0, description="... and of the planner's, which also waits "
+    plan_warm_share: float = Field(0.02, gt=0.0, le=1.0, description="... and of the planner's, which also waits "
                                                                     "its last probe's length (probe_min_s, or the "
                                                                     "nearest load's) / this share before its first "
-                                                                    "probe at a load: a model, the long shot")
+                                                                    "probe at a load: a model, the long shot (0.05: "
+                                                                    "3.5-7.5 % of auto's time per level in run BS, "
+                                                                    "no bucket led, b32's 4.5 s never paired)")
     warm_share: float = Field(1.0, gt=0.0, le=1.0, description="time share of probes of a fixed mode not yet paired "
                                                                "warm_pairings times")
     base_share: float = Field(0.03, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader "
@@ -537,8 +542,8 @@ class ModeArbiter:
 
     def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True,
                 seq_ids: Sequence[str] | None = None) -> None:
-        """One finished step in `mode`: the batch's output `tokens` over its wall `seconds`
-        (prefill of sequences that joined excluded). `chosen`: the mode came from `mode()`;
+        """One finished step in `mode`: the batch's output `tokens` over its wall `seconds`, as
+        app/policy/step_wall.py counts them (newcomers' prefill and the turnaround before it included). `chosen`: the mode came from `mode()`;
         False: a batch forced all one way, shown in that mode's goodput but never paired.
         `seq_ids`: the batch's sequences, whose history decides whether a 'plan' step is measured
         (None: every step is)."""

@@ -500,7 +500,8 @@ def test_a_new_load_skips_the_warm_up_of_a_mode_the_nearest_load_found_far_worse
     """Runs BC/BD: at 32 streams the warm-up's probes of modes b16 had paired at 0.71-0.78 of 'on' took
     ~30 % of auto's time. With inherit_clear_losers a new load probes such a mode at its inherited
     share; a mode that was close there ('plan' here) still gets its warm-up."""
-    arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0, inherit_clear_losers=inherit)
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0, inherit_clear_losers=inherit,
+                  plan_warm_share=0.05)  # the share this was written for: three planner pairings a minute
     rates16 = {"plan": 140.0, "on": 150.0, "off": 80.0}
     run(arb, 1500, rates16.__getitem__, batch=16, step_s=0.2)
     b16 = arb.snapshot()["b16"]
