@@ -146,6 +146,8 @@ class ModeArbiterConfig(BaseModel):
     settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
     warm_pairings: int = Field(3, ge=1, description="a mode's first this many pairings in a bucket are probed at "
                                                     "warm_share, and it takes the lead only after them")
+    warm_loser_pairings: int = Field(2, ge=1, description="... but a mode surely under far_ratio after this many "
+                                                          "ends its warm-up (probed at its share from then on)")
     plan_warm_share: float = Field(0.02, gt=0.0, le=1.0, description="... and of the planner's, which also waits "
                                                                     "its last probe's length (probe_min_s, or the "
                                                                     "nearest load's) / this share before its first "
@@ -349,11 +351,18 @@ class ModeArbiter:
             # stale by itself, see _leader_window)
         return b
 
-    def _far(self, s: _ModeStats) -> bool:
-        """Surely under far_ratio of its bucket's leader, after its warm-up."""
+    def _far(self, s: _ModeStats, min_pairings: int | None = None) -> bool:
+        """Surely under far_ratio of its bucket's leader, after its warm-up (or `min_pairings`)."""
         c = self.config
-        return (s.pairings >= c.warm_pairings and s.ratio is not None
+        return (s.pairings >= (c.warm_pairings if min_pairings is None else min_pairings) and s.ratio is not None
                 and s.ratio + c.far_z * s.std_error(c.probe_cv) < c.far_ratio)
+
+    def _far_early(self, s: _ModeStats) -> bool:
+        """Surely under far_ratio of the leader after warm_loser_pairings: its warm-up ends (it cannot
+        take the lead before warm_pairings anyway). Why: at 16 streams in run BT three warm-up probes of
+        'off' (0.76, 0.75, 0.71 of 'on', each a ~2.5-s window and the switch back) took 7.7 s of auto's
+        ~78 and cost it ~3 %; two such pairings already put the mode surely under far_ratio."""
+        return self._far(s, self.config.warm_loser_pairings)
 
     def _inherit_clear_losers(self, near: _Bucket, b: _Bucket, now: float) -> None:
         """A mode the nearest load found surely worse than its leader (b's leader too) skips b's warm-up:
@@ -385,7 +394,7 @@ class ModeArbiter:
         of the inherited leader 'off' (the cells gave it ~9 % more), short of the switch; its next probe
         waited 33 s at the base share, and auto ran 41 s of its level in 'off'."""
         c = self.config
-        if s.pairings < c.warm_pairings:
+        if s.pairings < c.warm_pairings and not self._far_early(s):
             return c.plan_warm_share if m == "plan" else c.warm_share
         if s.ratio is not None and s.ratio > 1.0:
             return c.warm_share
@@ -571,6 +580,11 @@ class ModeArbiter:
         self._last_mode = mode
         if b.settle_left > 0:
             b.settle_left -= 1
+            if chosen and p is not None and not p.running and mode == b.leader and p.mode != mode:
+                # the leader's settling after a probe pays the switch back (at 32 streams the draft's
+                # catch-up of every token the batch decoded plainly in an 'off' probe): the probe's cost,
+                # so the next probe of that mode waits for it too
+                b.stats[p.mode].probe_s += max(seconds, 0.0)
             return
         if seconds <= 0 or not self._pure(mode, seq_ids):
             return
