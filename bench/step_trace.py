@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from app.policy.step_wall import StepWall
 from bench.app_process import AppProcess, local_args
 from bench.load import app_overrides, run_cell, wait_idle
 
@@ -45,23 +46,28 @@ async def cells(url: str, plan: list[tuple[str, float]], args: argparse.Namespac
     return out
 
 
-LULL_S = 0.5  # a longer idle gap: the engine emptied (between cells)
 SETTLE_STEPS = 2  # the arbiter's settle_steps default
 
 
 def goodput(steps: list[dict], accounting: str) -> float:
-    """Output tokens over wall seconds of `steps` under `accounting` ('old' or 'clients')."""
+    """Output tokens over wall seconds of `steps` under `accounting`: 'old' (a step's own time less its
+    prefill, a gap only when short, prefill-only steps nobody's) or 'clients' (the arbiter's own,
+    app.policy.step_wall.StepWall, every step observed but the prefill-only ones)."""
+    if accounting == "clients":
+        first_gap = steps[0]["gap"] if steps else None
+        # the step before the first one ended where its recorded gap says (a cell or a run starts mid-trace)
+        wall = StepWall(last_end=steps[0]["t"] - steps[0]["s"] - first_gap if first_gap is not None else None)
+        measured = [wall.step(x["t"], x["s"], x["tok"] + x["new_tok"], batch_size=x["bs"], observed=x["bs"] > 0)
+                    for x in steps]
+        tokens, seconds = sum(m[0] for m in measured if m), sum(m[1] for m in measured if m)
+        return tokens / seconds if seconds > 0 else 0.0
     tokens = seconds = 0.0
     for x in steps:
         gap = x["gap"] if x["gap"] is not None else 0.0
-        if accounting == "old":
-            if x["bs"] == 0:  # a prefill-only step: nobody's
-                continue
-            tokens += x["tok"]
-            seconds += x["s"] - x["prefill"] + (gap if 0.0 <= gap <= max(0.05, x["s"]) else 0.0)
-        else:
-            tokens += x["tok"] + x["new_tok"]
-            seconds += x["s"] + (gap if 0.0 <= gap <= LULL_S else 0.0)
+        if x["bs"] == 0:  # a prefill-only step: nobody's
+            continue
+        tokens += x["tok"]
+        seconds += x["s"] - x["prefill"] + (gap if 0.0 <= gap <= max(0.05, x["s"]) else 0.0)
     return tokens / seconds if seconds > 0 else 0.0
 
 

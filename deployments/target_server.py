@@ -156,7 +156,6 @@ class TargetServer:
         # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
         self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
         self.step_wall = StepWall()
-        self._last_step_end: float | None = None  # for the step trace's gaps
         self._mode_steps = 0
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
@@ -213,7 +212,7 @@ class TargetServer:
         mode, chosen, ids = self._step_mode if self._step_mode is not None else (None, False, ())
         self._trace.write(json.dumps({
             "t": round(now, 6), "s": round(seconds, 6), "prefill": round(times.prefill, 6),
-            "gap": round(now - self._last_step_end - seconds, 6) if self._last_step_end is not None else None,
+            "gap": round(self.step_wall.last_gap, 6) if self.step_wall.last_gap is not None else None,
             "bs": times.batch_size, "tok": sum(len(u.token_ids) for u in updates[:times.batch_size]),
             "new_tok": sum(len(u.token_ids) for u in updates[times.batch_size:]),
             "drafted": sum(u.drafted for u in updates), "mode": mode, "chosen": chosen, "ids": list(ids)}) + "\n")
@@ -237,7 +236,7 @@ class TargetServer:
                 log.info("step modes by load bucket %s", self.arbiter.snapshot())
         if self._trace is not None:
             self._trace_step(times, updates, seconds, now)
-        self._step_mode, self._last_step_end = None, now
+        self._step_mode = None
         if self._planned is not None:
             plan, candidates = self._planned
             self._planned = None

@@ -367,7 +367,8 @@ class ModeArbiter:
     def _inherit_clear_losers(self, near: _Bucket, b: _Bucket, now: float) -> None:
         """A mode the nearest load found surely worse than its leader (b's leader too) skips b's warm-up:
         one pseudo-pairing at its ratio there, and a first probe only after its last probe's length
-        there / base_share of the leader's time. Why: the warm-up's probes are the arbiter's main cost
+        there / its share there (at most
+        halved from the base) of the leader's time. Why: the warm-up's probes are the arbiter's main cost
         where a level is short and steps long; at 32 streams (runs BC, BD) b32 spent ~30 % of auto's
         time probing 'plan' and 'off', which b16 had paired at 0.71-0.78 of 'on', and auto ran at
         0.88-0.91 of forced 'on'. A mode that was close there gets the full warm-up here."""
@@ -380,12 +381,17 @@ class ModeArbiter:
                 continue
             dst, r = b.stats[m], src.ratio
             dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
-            # at the base share, not the (maybe cut) share there: if this load differs, the first probe
-            # comes within (its probe's length there) / base_share of the leader's time. The length, not
-            # probe_min_s: a 'plan' probe waits for the batch to turn over, and at 16-32 streams (run BG)
-            # one took 8.5-9.3 s, ~9 % of a level's auto time in a mode at 0.73 of 'on', 33 s in
             dst.pairings = self.config.warm_pairings
+            # The length, not probe_min_s: a 'plan' probe waits for the batch to turn over, and at 16-32
+            # streams (run BG) one took 8.5-9.3 s, ~9 % of a level's auto time in a mode at 0.73 of 'on'.
             dst.probe_s = max(src.probe_s, self.config.probe_min_s)
+            # The share it reached there, not the base: in runs BU/BV b16 had cut 'off' (0.77 of 'on') to
+            # 0.015, b32 started it at 0.03 again, and its one probe cost a 13-s cell ~18 % (0.72 of 'on',
+            # then the draft's catch-up); auto read 0.960 of 'on' there. But no lower than one halving (the
+            # pseudo-pairing counts as one clear loss here): a load past a crossover (drafting loses under
+            # load) still probes the neighbour's loser within 2 x its probe's length / base_share.
+            dst.share = max(src.share, self.config.base_share / 2)
+
 
     def _share(self, m: StepMode, s: _ModeStats) -> float:
         """The time share of a mode's probes: high for a fixed mode until it is paired warm_pairings times,
@@ -552,8 +558,9 @@ class ModeArbiter:
     def observe(self, batch_size: int, mode: StepMode, tokens: int, seconds: float, *, chosen: bool = True,
                 seq_ids: Sequence[str] | None = None) -> None:
         """One finished step in `mode`: the batch's output `tokens` over its wall `seconds`, as
-        app/policy/step_wall.py counts them (newcomers' prefill and the turnaround before it included). `chosen`: the mode came from `mode()`;
-        False: a batch forced all one way, shown in that mode's goodput but never paired.
+        app/policy/step_wall.py counts them (newcomers' prefill and the turnaround before it included).
+        `chosen`: the mode came from `mode()`; False: a batch forced all one way, shown in that mode's
+        goodput but never paired.
         `seq_ids`: the batch's sequences, whose history decides whether a 'plan' step is measured
         (None: every step is)."""
         now, c = self._clock(), self.config

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 
 class StepWall:
-    def __init__(self, idle_s: float = 0.1) -> None:
+    def __init__(self, idle_s: float = 0.1, last_end: float | None = None) -> None:
         self.idle_s = idle_s  # a longer idle gap before a step is a lull, not the step's
-        self._last_end: float | None = None
+        self._last_end = last_end  # when the step before ended (None: no step yet, no gap)
+        self.last_gap: float | None = None  # the idle gap before the latest step (the step trace logs it)
         # tokens and seconds of prefill-only steps (and the turnaround before them) not yet counted
         self._carry_tokens, self._carry_s = 0, 0.0
 
@@ -41,7 +42,8 @@ class StepWall:
         `tokens` (newcomers' first tokens included), with `batch_size` running sequences before its
         newcomers; `observed`: its goodput is measured. Returns the (tokens, wall seconds) it stands
         for when observed, else None."""
-        gap = now - self._last_end - step_s if self._last_end is not None else 0.0
+        self.last_gap = now - self._last_end - step_s if self._last_end is not None else None
+        gap = self.last_gap if self.last_gap is not None else 0.0
         self._last_end = now
         lull = gap > max(self.idle_s, step_s)
         wall = step_s + (gap if gap >= 0.0 and not lull else 0.0)

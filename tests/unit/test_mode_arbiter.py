@@ -510,23 +510,32 @@ def test_a_new_load_skips_the_warm_up_of_a_mode_the_nearest_load_found_far_worse
     b32 = arb.snapshot()["b32"]
     assert b32["leader"] == "on"
     if inherit:
-        # one probe (4 steps), ~0.5 s / base_share 0.03 of 'on' in; three pairings inherited
+        # three pairings inherited, and b16's share (cut to the floor there), raised to one halving from the
+        # base: one probe (4 steps) 0.8 s / 0.015 = 53 s of 'on' in, which halves it again
+        assert b16["probe_share"]["off"] == 0.005 and b32["probe_share"]["off"] == 0.0075
         assert chosen["off"] == 4 and b32["pairings"]["off"] == 4
         assert b32["pairings"]["plan"] >= 3  # close in b16: warmed up again here
     else:
         assert chosen["off"] >= 8  # the warm-up: two probes, then it is surely under far_ratio (warm_loser_pairings)
 
 
-@pytest.mark.parametrize("probe_s_there, probes_here", [(0.8, 1), (6.0, 0)])
-def test_an_inherited_losers_first_probe_waits_for_the_length_of_its_probes_there(
-        probe_s_there: float, probes_here: int) -> None:
+@pytest.mark.parametrize("probe_s_there, share_there, probes_here", [
+    (1.0, 0.03, 1),  # 1 s / 0.03: 33 s of the leader first
+    (6.0, 0.03, 0),  # a long probe there: 6 s / 0.03 = 200 s
+    (1.0, 0.015, 0),  # a share cut there: 1 s / 0.015 = 67 s
+    (1.0, 0.005, 0),  # ... cut further there: one halving here all the same
+])
+def test_an_inherited_losers_first_probe_waits_for_its_probes_length_over_its_share_there(
+        probe_s_there: float, share_there: float, probes_here: int) -> None:
     """Run BG: a 'plan' probe waits for the batch to turn over, and at 16 and 32 streams one took
-    8.5-9.3 s, 33 s into the level (probe_min_s / base_share), in a mode at 0.73 of 'on'. The time
-    budget counts the probe's real length: 6 s / 0.03 = 200 s of the leader first, more than a minute."""
+    8.5-9.3 s, 33 s into the level (probe_min_s / base_share), in a mode at 0.73 of 'on'. Runs BU/BV:
+    b16 had cut 'off' to 0.015, b32 probed it at 0.03 again, and the probe cost a 13-s cell ~18 %.
+    So the time budget counts the probe's real length and the share it reached there."""
     arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0)
     rates = {"plan": 140.0, "on": 150.0, "off": 80.0}
     run(arb, 1500, rates.__getitem__, batch=16, step_s=0.2)
-    arb._buckets[batch_bucket(16)].stats["off"].probe_s = probe_s_there  # as long as its last probe there took
+    there = arb._buckets[batch_bucket(16)].stats["off"]
+    there.probe_s, there.share = probe_s_there, share_there  # as its probes there had left them
     chosen = run(arb, 300, rates.__getitem__, batch=32, step_s=0.2)  # a minute at the new load
     assert arb.snapshot()["b32"]["pairings"]["off"] == 3 + probes_here
     assert chosen["off"] == 4 * probes_here
@@ -537,6 +546,17 @@ def test_an_inherited_loser_that_wins_at_the_new_load_still_takes_the_lead() -> 
     run(arb, 1500, {"plan": 100.0, "on": 150.0, "off": 80.0}.__getitem__, batch=16, step_s=0.2)
     assert arb.snapshot()["b16"]["leader"] == "on"
     run(arb, 6000, {"plan": 100.0, "on": 90.0, "off": 140.0}.__getitem__, batch=32, step_s=0.2)  # 20 min
+    assert arb.snapshot()["b32"]["leader"] == "off"
+
+
+def test_a_load_past_a_crossover_finds_the_neighbours_clear_loser_within_two_minutes() -> None:
+    """Drafting loses under load: 'off', at the probe floor after 5 minutes at b16, wins at b32. The
+    inherited share is at most one halving from the base, so its first probe there comes 0.8 s / 0.015
+    = 53 s in, not 0.8 s / 0.005 = 160 s."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0)
+    run(arb, 1500, {"plan": 140.0, "on": 150.0, "off": 80.0}.__getitem__, batch=16, step_s=0.2)
+    assert arb.snapshot()["b16"]["probe_share"]["off"] == 0.005
+    run(arb, 600, {"plan": 100.0, "on": 90.0, "off": 140.0}.__getitem__, batch=32, step_s=0.2)  # 2 min
     assert arb.snapshot()["b32"]["leader"] == "off"
 
 
