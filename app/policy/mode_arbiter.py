@@ -377,7 +377,10 @@ class ModeArbiter:
                 continue
             src = near.stats[m]
             self._decay_evidence(src, now)
-            if not self._far(src):
+            # surely worse as soon as its warm-up there ended early (_far_early): in run BX (2e29455) b8 ended
+            # 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on', b16 and b32 (with _far, which wants
+            # warm_pairings) each warmed it up again, 4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72
+            if not self._far_early(src):
                 continue
             dst, r = b.stats[m], src.ratio
             dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now

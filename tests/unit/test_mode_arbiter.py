@@ -560,6 +560,20 @@ def test_a_load_past_a_crossover_finds_the_neighbours_clear_loser_within_two_min
     assert arb.snapshot()["b32"]["leader"] == "off"
 
 
+def test_a_mode_whose_warm_up_ended_early_at_the_nearest_load_is_inherited_as_a_clear_loser() -> None:
+    """Run BX (2e29455): b8 ended 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on'
+    (warm_loser_pairings), yet b16 and b32 each warmed it up again (two probes, 4.3 and 4.7 s of ~75
+    and ~52 in a mode at 0.66-0.72 of 'on'): inheritance asked for warm_pairings pairings there."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=1.0, settle_steps=0, first_leader="on")
+    rates = {"plan": 140.0, "on": 150.0, "off": 110.0}
+    run(arb, 300, rates.__getitem__, batch=8, step_s=0.2)  # a minute at b8
+    b8 = arb.snapshot()["b8"]
+    assert b8["pairings"]["off"] == 2 and b8["probe_share"]["off"] == 0.0075  # its warm-up ended early
+    chosen = run(arb, 300, rates.__getitem__, batch=16, step_s=0.2)  # a minute at b16
+    # inherited: the share one halving from the base, so its first probe waits 1 s / 0.015 = 67 s
+    assert chosen["off"] == 0 and arb.snapshot()["b16"]["probe_share"]["off"] == 0.015
+
+
 def test_a_fresh_arbiter_is_led_by_plain_decoding_until_a_mode_surely_beats_it() -> None:
     arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=10, probe_min_s=0.0, settle_steps=0), clock=FakeClock())
     assert arb.mode(1) == "off"  # no measurement yet: plain, which needs no draft
