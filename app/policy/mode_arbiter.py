@@ -215,6 +215,7 @@ class _ModeStats:
     pairings: int = 0  # probes paired with the leader, undecayed
     waited_s: float = 0.0  # leader seconds since it was last measured
     probe_s: float = 0.0  # wall seconds its last probe took (settling included)
+    inherited_loser: bool = False  # a clear loser carried over from the nearest load, not yet paired here
 
     @property
     def goodput(self) -> float:
@@ -380,7 +381,10 @@ class ModeArbiter:
             # surely worse as soon as its warm-up there ended early (_far_early): in run BX (2e29455) b8 ended
             # 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on', b16 and b32 (with _far, which wants
             # warm_pairings) each warmed it up again, 4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72
-            if not self._far_early(src):
+            # ... or a loser it had inherited itself and not paired since: its one pseudo-pairing carries the
+            # prior's spread, and a ratio of 0.84 was then no longer 'surely under 0.95' (run BY: b4 paired
+            # 'off' at 0.84 of 'on', b8 inherited it, b16 warmed it up again, 4.2 s at 0.72 of 'on')
+            if not (src.inherited_loser or self._far_early(src)):
                 continue
             dst, r = b.stats[m], src.ratio
             dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
@@ -394,6 +398,7 @@ class ModeArbiter:
             # pseudo-pairing counts as one clear loss here): a load past a crossover (drafting loses under
             # load) still probes the neighbour's loser within 2 x its probe's length / base_share.
             dst.share = max(src.share, self.config.base_share / 2)
+            dst.inherited_loser = True
 
 
     def _share(self, m: StepMode, s: _ModeStats) -> float:
@@ -529,7 +534,7 @@ class ModeArbiter:
         self._decay_evidence(s, now)
         r = during.goodput / leader_goodput
         s.n, s.n_sq, s.r_sum, s.r_sq_sum = s.n + 1.0, s.n_sq + 1.0, s.r_sum + r, s.r_sq_sum + r * r
-        s.waited_s, s.pairings = 0.0, s.pairings + 1
+        s.waited_s, s.pairings, s.inherited_loser = 0.0, s.pairings + 1, False  # judged on its pairings here now
         se = s.std_error(c.probe_cv)
         # one probe is noisy (a 0.25-s probe at one stream spread ~20 %): a share is cut, and the lead
         # moves, only on the mean of the probes and its standard error
@@ -543,6 +548,7 @@ class ModeArbiter:
         old, n = b.stats[b.leader], b.stats[new]
         for s in b.stats.values():
             self._decay_evidence(s, now)
+            s.inherited_loser = False  # its evidence is re-expressed against the new leader
         r, var = n.ratio, n.variance(self.config.probe_cv)
         for m in MODES:
             if m not in (b.leader, new):

@@ -574,6 +574,29 @@ def test_a_mode_whose_warm_up_ended_early_at_the_nearest_load_is_inherited_as_a_
     assert chosen["off"] == 0 and arb.snapshot()["b16"]["probe_share"]["off"] == 0.015
 
 
+def test_an_inherited_loser_not_yet_paired_is_passed_on_to_the_next_load() -> None:
+    """Run BY (a8f5129): b4 paired 'off' at 0.84 of 'on', b8 inherited it (one pseudo-pairing, whose
+    spread is the prior's: 0.84 is then no longer surely under far_ratio) and never probed it, and b16
+    warmed it up again, 4.2 s in a mode at 0.72 of 'on'."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=1.0, settle_steps=0, first_leader="on")
+    rates = {"plan": 140.0, "on": 150.0, "off": 126.0}
+    run(arb, 300, rates.__getitem__, batch=4, step_s=0.2)  # a minute at b4: two pairings end its warm-up
+    assert arb.snapshot()["b4"]["pairings"]["off"] == 2
+    assert run(arb, 150, rates.__getitem__, batch=8, step_s=0.2)["off"] == 0  # 30 s at b8: inherited
+    chosen = run(arb, 300, rates.__getitem__, batch=16, step_s=0.2)  # a minute at b16
+    assert chosen["off"] == 0 and arb.snapshot()["b16"]["probe_share"]["off"] == 0.015
+
+
+def test_a_pairing_at_the_new_load_ends_the_inherited_loser_mark() -> None:
+    arb = arbiter(probe_min_steps=4, probe_min_s=1.0, settle_steps=0, first_leader="on")
+    run(arb, 300, {"plan": 140.0, "on": 150.0, "off": 110.0}.__getitem__, batch=4, step_s=0.2)
+    b8 = {"plan": 140.0, "on": 150.0, "off": 147.0}  # close at b8: its first probe there says so
+    run(arb, 600, b8.__getitem__, batch=8, step_s=0.2)  # two minutes
+    stats = arb._buckets[batch_bucket(8)].stats["off"]
+    assert stats.pairings > 3 and not stats.inherited_loser
+    assert run(arb, 300, b8.__getitem__, batch=16, step_s=0.2)["off"] >= 10  # b16 warms it up
+
+
 def test_a_fresh_arbiter_is_led_by_plain_decoding_until_a_mode_surely_beats_it() -> None:
     arb = ModeArbiter(ModeArbiterConfig(probe_min_steps=10, probe_min_s=0.0, settle_steps=0), clock=FakeClock())
     assert arb.mode(1) == "off"  # no measurement yet: plain, which needs no draft
