@@ -352,21 +352,18 @@ class ModeArbiter:
             # stale by itself, see _leader_window)
         return b
 
-    def _far(self, s: _ModeStats, min_pairings: int | None = None) -> bool:
-        """Surely under far_ratio of its bucket's leader, after its warm-up (or `min_pairings`)."""
-        c = self.config
-        return (s.pairings >= (c.warm_pairings if min_pairings is None else min_pairings) and s.ratio is not None
-                and s.ratio + c.far_z * s.std_error(c.probe_cv) < c.far_ratio)
-
     def _far_early(self, s: _ModeStats) -> bool:
         """Surely under far_ratio of the leader after warm_loser_pairings: its warm-up ends (it cannot
         take the lead before warm_pairings anyway). Why: at 16 streams in run BT three warm-up probes of
         'off' (0.76, 0.75, 0.71 of 'on', each a ~2.5-s window and the switch back) took 7.7 s of auto's
         ~78 and cost it ~3 %; two such pairings already put the mode surely under far_ratio."""
-        return self._far(s, self.config.warm_loser_pairings)
+        c = self.config
+        return (s.pairings >= c.warm_loser_pairings and s.ratio is not None
+                and s.ratio + c.far_z * s.std_error(c.probe_cv) < c.far_ratio)
 
     def _inherit_clear_losers(self, near: _Bucket, b: _Bucket, now: float) -> None:
-        """A mode the nearest load found surely worse than its leader (b's leader too) skips b's warm-up:
+        """A mode the nearest load found surely worse than its leader (b's leader too), or had inherited as
+        such and not paired since, skips b's warm-up:
         one pseudo-pairing at its ratio there, and a first probe only after its last probe's length
         there / its share there (at most
         halved from the base) of the leader's time. Why: the warm-up's probes are the arbiter's main cost
