@@ -14,6 +14,10 @@ bench/load.py on the arbiter's choices (its probes), not on the path.
 `--free` leaves the arbiter free (no pin) and settles for `--settle` seconds of auto first, so that
 its warm-up at this load is over before the pairs: auto / forced is then the steady-state cost of its
 probes and switches at one load, apart from the warm-up a sweep's level also pays.
+
+`--interleave on` runs a forced 'on' cell (not counted) before each pair, as a sweep's rounds put one
+between auto's cells: whether what forced drafting leaves behind (the arbiter's stale leader, the
+draft replica's state) is what costs auto at low load in bench/load.py but not in a plain A/B.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ async def pairs(url: str, args: argparse.Namespace) -> list[float]:
     ratios = []
     for i in range(args.pairs):
         order = (args.mode, "auto") if i % 2 == 0 else ("auto", args.mode)
+        if args.interleave is not None:
+            cell = await run_cell(url, args.interleave, args.streams, args.warmup, args.duration, args.max_tokens, i)
+            print(f"pair {i} {args.interleave:<4} {cell.goodput_tok_s:8.1f} tok/s  (interleaved, not counted)", flush=True)
+            await wait_idle(url)
         goodput = {}
         for policy in order:
             cell = await run_cell(url, policy, args.streams, args.warmup, args.duration, args.max_tokens, i)
@@ -52,6 +60,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--free", action="store_true", help="no pin: the arbiter chooses (and probes) as in bench.load")
+    ap.add_argument("--interleave", choices=("on", "off"), default=None,
+                    help="a forced cell of this policy (not counted) before each pair, as in a sweep's rounds")
     ap.add_argument("--settle", type=float, default=8.0, help="seconds of auto before the pairs")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the embedded pair runs (cuda: one GPU shared by both replicas, as bench.load)")
