@@ -1,6 +1,7 @@
 """CPU seconds by thread of the target replica (and by process) over alternating forced 'off' and auto cells at one stream."""
 import asyncio, os, sys, time
-sys.path.insert(0, "/work/main")
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.* imports
 from bench.app_process import AppProcess, local_args
 from bench.load import app_overrides, run_cell, wait_idle
 HZ = os.sysconf("SC_CLK_TCK")
