@@ -13,6 +13,7 @@ Linux /proc/stat only; elsewhere the readings are None and nothing is refused.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 _FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -38,16 +39,28 @@ def steal_share(before: dict[str, int] | None, after: dict[str, int] | None) -> 
 
 
 class StealMeter:
-    """Stolen and total CPU ticks since the previous call, for callers that account steal per step."""
+    """Stolen and total CPU ticks since the previous reading, for callers that account steal per step.
 
-    def __init__(self, read: Callable[[], dict[str, int] | None] = host_cpu_jiffies) -> None:
-        self._read = read
+    Reads /proc/stat at most every `min_interval_s`: the kernel counts in 10-ms ticks, so a read per
+    engine step (every 4-10 ms at one stream) mostly finds nothing new, and at ~30-150 us a read it
+    cost 0.3-4 % of the engine thread there (py-spy, bench/RESULTS.md section 7). A call in between
+    returns (0, 0) and the ticks go to the next reading's step: the sums over a probe's window (a
+    second or more) are the same."""
+
+    def __init__(self, read: Callable[[], dict[str, int] | None] = host_cpu_jiffies,
+                 clock: Callable[[], float] = time.monotonic, min_interval_s: float = 0.05) -> None:
+        self._read, self._clock, self._min_interval_s = read, clock, min_interval_s
         self._last = read()
+        self._last_t = clock()
 
     def since_last(self) -> tuple[int, int]:
-        """(stolen ticks, all ticks) since the previous call; (0, 0) where /proc/stat is unreadable."""
+        """(stolen ticks, all ticks) since the previous reading; (0, 0) between readings and where
+        /proc/stat is unreadable."""
+        now_t = self._clock()
+        if now_t - self._last_t < self._min_interval_s:
+            return 0, 0
         now = self._read()
-        last, self._last = self._last, now
+        last, self._last, self._last_t = self._last, now, now_t
         if now is None or last is None:
             return 0, 0
         return now["steal"] - last["steal"], sum(now[k] - last[k] for k in _FIELDS)

@@ -31,9 +31,28 @@ def test_the_meter_gives_ticks_since_its_previous_call() -> None:
     readings = iter([{"user": 0, "nice": 0, "system": 0, "idle": 0, "iowait": 0, "irq": 0, "softirq": 0, "steal": 0},
                      {"user": 80, "nice": 0, "system": 10, "idle": 0, "iowait": 0, "irq": 0, "softirq": 0, "steal": 10},
                      None])
-    meter = StealMeter(read=lambda: next(readings))
+    meter = StealMeter(read=lambda: next(readings), min_interval_s=0.0)
     assert meter.since_last() == (10, 100)
     assert meter.since_last() == (0, 0)  # unreadable: nothing to refuse
+
+
+def test_the_meter_reads_at_most_every_min_interval_and_loses_no_tick() -> None:
+    reads: list[int] = []
+
+    def read() -> dict[str, int]:
+        reads.append(1)
+        n = len(reads)  # each reading: 10 more ticks, 1 more of them stolen
+        return {"user": 9 * n, "nice": 0, "system": 0, "idle": 0, "iowait": 0, "irq": 0, "softirq": 0, "steal": n}
+
+    t = [0.0]
+    meter = StealMeter(read=read, clock=lambda: t[0], min_interval_s=0.045)
+    got = []
+    for _ in range(10):  # engine steps every 10 ms
+        t[0] += 0.01
+        got.append(meter.since_last())
+    assert len(reads) == 3  # at construction, then at 50 and 100 ms only (45 ms apart at least)
+    assert got[:4] == [(0, 0)] * 4 and got[4] == (1, 10) and got[9] == (1, 10)
+    assert sum(s for s, _ in got) == 2 and sum(a for _, a in got) == 20  # every tick read lands in some step
 
 
 def _cell(policy: str, steal: float, goodput: float) -> Cell:
