@@ -364,8 +364,8 @@ class ModeArbiter:
                 and s.ratio + c.far_z * s.std_error(c.probe_cv) < c.far_ratio)
 
     def _inherit_clear_losers(self, near: _Bucket, b: _Bucket, now: float) -> None:
-        """A mode the nearest load found surely worse than its leader (b's leader too), or had inherited as
-        such and not paired since, skips b's warm-up:
+        """A mode the nearest load found surely worse than its leader (b's leader too) by its own pairings
+        there skips b's warm-up:
         one pseudo-pairing at its ratio there, and a first probe only after its last probe's length
         there / its share there (at most
         halved from the base) of the leader's time. Why: the warm-up's probes are the arbiter's main cost
@@ -380,10 +380,12 @@ class ModeArbiter:
             # surely worse as soon as its warm-up there ended early (_far_early): in run BX (2e29455) b8 ended
             # 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on', b16 and b32 (with _far, which wants
             # warm_pairings) each warmed it up again, 4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72
-            # ... or a loser it had inherited itself and not paired since: its one pseudo-pairing carries the
-            # prior's spread, and a ratio of 0.84 was then no longer 'surely under 0.95' (run BY: b4 paired
-            # 'off' at 0.84 of 'on', b8 inherited it, b16 warmed it up again, 4.2 s at 0.72 of 'on')
-            if not (src.inherited_loser or self._far_early(src)):
+            # Never a loser it had only inherited itself: a chain of inheritances spans a crossover unmeasured.
+            # In run CI (d48c541) b1 paired 'on' at 0.90, 0.91 and 0.65 (a host hiccup) of 'off', b2 inherited
+            # it, and b4 and b8 inherited it from b2 without one probe: 'on' led the forced cells there by
+            # 13-20 %, and auto decoded plainly through both levels. Warming a far mode up again costs a
+            # level ~1-2 % (run BY: b16, 4.2 s at 0.72 of 'on'); missing a crossover costs the whole gap.
+            if src.inherited_loser or not self._far_early(src):
                 continue
             dst, r = b.stats[m], src.ratio
             dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
