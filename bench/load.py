@@ -221,6 +221,11 @@ def median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
+def _median_or_none(xs: list[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return median(known) if known else None
+
+
 def summarize(cells: list[Cell], levels: list[int]) -> dict[tuple[int, str], dict[str, Any]]:
     """Per (level, policy): median goodput over rounds, its range, and the auto cells' modes."""
     out: dict[tuple[int, str], dict[str, Any]] = {}
@@ -238,8 +243,10 @@ def summarize(cells: list[Cell], levels: list[int]) -> dict[tuple[int, str], dic
                 # how the engine drafted: mean depth of the sequence-steps that drafted, and their share
                 "mean_depth": _r(sum(x.drafted for x in xs) / d) if (d := sum(x.drafts for x in xs)) else None,
                 "drafting_share": _r(d / st) if (st := sum(x.steps for x in xs)) else None,
-                "latency_p50_s": _r(median([x.latency_p50_s for x in xs if x.latency_p50_s is not None] or [0.0])),
-                "latency_p99_s": _r(median([x.latency_p99_s for x in xs if x.latency_p99_s is not None] or [0.0])),
+                # None where no cell saw a request both start and end in its window (32 streams 'off' on a
+                # slow host: a request outlasts the 10-s window), not a latency of 0
+                "latency_p50_s": _r(_median_or_none([x.latency_p50_s for x in xs])),
+                "latency_p99_s": _r(_median_or_none([x.latency_p99_s for x in xs])),
             }
     return out
 
@@ -315,8 +322,9 @@ def plot(cells: list[Cell], levels: list[int], path: Path, title: str) -> None:
         med = [r["goodput_median"] for _, r in rows]
         err = [[m - r["goodput_min"] for m, (_, r) in zip(med, rows)], [r["goodput_max"] - m for m, (_, r) in zip(med, rows)]]
         ax1.errorbar(xs, med, yerr=err, fmt="o-", color=colors[p], capsize=3, label=f"speculation {p}")
-        ax2.plot(xs, [r["latency_p50_s"] for _, r in rows], "o-", color=colors[p], label=f"{p} p50")
-        ax2.plot(xs, [r["latency_p99_s"] for _, r in rows], "s--", color=colors[p], alpha=0.5, label=f"{p} p99")
+        for q, style, alpha in (("p50", "o-", 1.0), ("p99", "s--", 0.5)):  # a level without a latency: a gap
+            lat = [r[f"latency_{q}_s"] if r[f"latency_{q}_s"] is not None else float("nan") for _, r in rows]
+            ax2.plot(xs, lat, style, color=colors[p], alpha=alpha, label=f"{p} {q}")
     for ax in (ax1, ax2, ax3):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(x) for x in levels])

@@ -80,3 +80,17 @@ def test_the_plot_is_drawn_from_pooled_cells(tmp_path: Path) -> None:
     out = tmp_path / "load.png"
     plot(*pooled_cells(two_sweeps(tmp_path)), out, "pooled")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_level_where_no_request_ended_inside_a_window_has_no_latency_not_zero(tmp_path: Path) -> None:
+    """Run CJ, 32 streams 'off': every request outlasted its 10-s window, and the plot drew p50 = 0 s."""
+    from bench.load import summarize
+
+    slow = [Cell(policy="off", concurrency=32, seconds=10.0, tokens=2500, goodput_tok_s=250.0, completed=0,
+                 failed=0, latency_p50_s=None, latency_p99_s=None, acceptance_rate=None, round=r) for r in (0, 1)]
+    cells = slow + [cell("on", 32, r, 350.0) for r in (0, 1)] + [cell("auto", 32, r, 340.0) for r in (0, 1)]
+    summary = summarize(cells, [32])
+    assert summary[(32, "off")]["latency_p50_s"] is None and summary[(32, "off")]["latency_p99_s"] is None
+    assert summary[(32, "on")]["latency_p50_s"] == 0.3
+    plot(cells, [32], tmp_path / "load.png", "a gap, not a zero")  # draws the gap
+    assert (tmp_path / "load.png").stat().st_size > 0
