@@ -382,9 +382,10 @@ class ModeArbiter:
             # warm_pairings) each warmed it up again, 4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72
             # Never a loser it had only inherited itself: a chain of inheritances spans a crossover unmeasured.
             # In run CI (d48c541) b1 paired 'on' at 0.90, 0.91 and 0.65 (a host hiccup) of 'off', b2 inherited
-            # it, and b4 and b8 inherited it from b2 without one probe: 'on' led the forced cells there by
-            # 13-20 %, and auto decoded plainly through both levels. Warming a far mode up again costs a
-            # level ~1-2 % (run BY: b16, 4.2 s at 0.72 of 'on'); missing a crossover costs the whole gap.
+            # it, b4 inherited it from b2 and b8-b32 each from the load before, none with one probe: forced 'on'
+            # beat forced 'off' there by 15-37 %, and auto decoded plainly through all four levels. Warming a
+            # far mode up again costs a level ~1-2 % (run BY: b16, 4.2 s at 0.72 of 'on'); missing a crossover
+            # costs the whole gap.
             if src.inherited_loser or not self._far_early(src):
                 continue
             dst, r = b.stats[m], src.ratio
