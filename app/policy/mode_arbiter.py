@@ -386,7 +386,10 @@ class ModeArbiter:
             # beat forced 'off' there by 15-37 %, and auto decoded plainly through all four levels. Warming a
             # far mode up again costs a level ~1-2 % (run BY: b16, 4.2 s at 0.72 of 'on'); missing a crossover
             # costs the whole gap.
-            if src.inherited_loser or not self._far_early(src):
+            if src.inherited_loser:
+                self._suspect_second_hand_loser(src, b.stats[m], now)
+                continue
+            if not self._far_early(src):
                 continue
             dst, r = b.stats[m], src.ratio
             dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
@@ -401,6 +404,19 @@ class ModeArbiter:
             # load) still probes the neighbour's loser within 2 x its probe's length / base_share.
             dst.share = max(src.share, self.config.base_share / 2)
             dst.inherited_loser = True
+
+    def _suspect_second_hand_loser(self, src: _ModeStats, dst: _ModeStats, now: float) -> None:
+        """A loser the nearest load had only inherited (never paired there) is a suspect here, not a verdict:
+        its ratio there counts as one of the warm_loser_pairings, so one own pairing that agrees ends its
+        warm-up (_far_early), and one that disagrees leaves it warming up (a crossover is still found).
+        Why: with second-hand losers warmed up in full, every other load paid two probes of a mode
+        at ~0.72 of 'on' (runs CJ and CM: b16, 9.1 and 8.1 s of ~78-91 in 'off'; CK: b32, one auto cell at
+        0.68 of 'on'), and the pooled sweeps read 0.947 at 16 streams."""
+        r = src.ratio
+        if r is None or r >= self.config.far_ratio:
+            return
+        dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
+        dst.pairings = self.config.warm_loser_pairings - 1  # _far_early needs one own pairing on top
 
 
     def _share(self, m: StepMode, s: _ModeStats) -> float:

@@ -592,6 +592,34 @@ def test_an_inherited_loser_not_yet_paired_is_not_passed_on_to_the_next_load() -
     assert arb.snapshot()["b4"]["leader"] == "on" and rest["on"] / sum(rest.values()) > 0.8, rest
 
 
+def test_a_second_hand_loser_is_confirmed_by_one_probe_at_the_next_load() -> None:
+    """Runs CJ and CM (bc1b4ff): b4 paired 'off' far under 'on', b8 inherited it, and b16 warmed it up in
+    full again (two probes, 8-9 s of ~80 at ~0.72 of 'on'). Its ratio at b8 now counts as one of the
+    warm_loser_pairings at b16, so one own probe that agrees ends the warm-up; b32 inherits it from b16."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=1.0, settle_steps=0, first_leader="on")
+    rates = {"plan": 140.0, "on": 150.0, "off": 110.0}
+    run(arb, 300, rates.__getitem__, batch=4, step_s=0.2)  # a minute at b4: 'off' far after two pairings
+    assert arb.snapshot()["b4"]["pairings"]["off"] == 2
+    assert run(arb, 300, rates.__getitem__, batch=8, step_s=0.2)["off"] == 0  # b8 inherits it
+    assert arb._buckets[batch_bucket(8)].stats["off"].inherited_loser
+    chosen = run(arb, 300, rates.__getitem__, batch=16, step_s=0.2)  # a minute at b16
+    b16 = arb.snapshot()["b16"]
+    # one probe of 5 steps (1 s), then a wait of 1 s / 0.015 (the share halved): not two probes, not none
+    assert chosen["off"] == 5 and b16["pairings"]["off"] == 2 and b16["probe_share"]["off"] == 0.015
+    assert run(arb, 300, rates.__getitem__, batch=32, step_s=0.2)["off"] == 0  # paired at b16: inherited
+
+
+def test_a_second_hand_loser_that_wins_at_the_next_load_takes_the_lead() -> None:
+    """The suspicion is one pseudo-pairing, not a verdict: past a crossover the mode is warmed up and
+    raced as any other, and leads within a minute."""
+    arb = arbiter(probe_min_steps=4, probe_min_s=1.0, settle_steps=0, first_leader="on")
+    rates = {"plan": 140.0, "on": 150.0, "off": 110.0}
+    run(arb, 300, rates.__getitem__, batch=4, step_s=0.2)
+    run(arb, 300, rates.__getitem__, batch=8, step_s=0.2)
+    run(arb, 300, {"plan": 100.0, "on": 100.0, "off": 130.0}.__getitem__, batch=16, step_s=0.2)
+    assert arb.snapshot()["b16"]["leader"] == "off"
+
+
 def test_a_pairing_at_the_new_load_ends_the_inherited_loser_mark() -> None:
     arb = arbiter(probe_min_steps=4, probe_min_s=1.0, settle_steps=0, first_leader="on")
     run(arb, 300, {"plan": 140.0, "on": 150.0, "off": 110.0}.__getitem__, batch=4, step_s=0.2)
