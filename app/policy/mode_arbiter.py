@@ -238,6 +238,10 @@ class _ModeStats:
         """Of the mean ratio, with the effective number of probes (n^2 / n_sq) of the decayed weights."""
         return (self.variance(prior_cv) * self.n_sq) ** 0.5 / self.n
 
+    def seed(self, ratio: float, now: float) -> None:
+        """Evidence of one pseudo-pairing at `ratio`: what a new load carries over from the nearest one."""
+        self.n, self.n_sq, self.r_sum, self.r_sq_sum, self.evidence_t = 1.0, 1.0, ratio, ratio * ratio, now
+
     def due(self, share: float) -> bool:
         return self.waited_s > 0 and self.waited_s * share >= self.probe_s
 
@@ -380,7 +384,8 @@ class ModeArbiter:
             # surely worse as soon as its warm-up there ended early (_far_early): in run BX (2e29455) b8 ended
             # 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on', b16 and b32 (with _far, which wants
             # warm_pairings) each warmed it up again, 4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72
-            # Never a loser it had only inherited itself: a chain of inheritances spans a crossover unmeasured.
+            # Never in full a loser it had only inherited itself (that one is a suspect here, confirmed by one
+            # probe: _suspect_second_hand_loser): a chain of inheritances spans a crossover unmeasured.
             # In run CI (d48c541) b1 paired 'on' at 0.90, 0.91 and 0.65 (a host hiccup) of 'off', b2 inherited
             # it, b4 inherited it from b2 and b8-b32 each from the load before, none with one probe: forced 'on'
             # beat forced 'off' there by 15-37 %, and auto decoded plainly through all four levels. Warming a
@@ -391,8 +396,8 @@ class ModeArbiter:
                 continue
             if not self._far_early(src):
                 continue
-            dst, r = b.stats[m], src.ratio
-            dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
+            dst = b.stats[m]
+            dst.seed(src.ratio, now)
             dst.pairings = self.config.warm_pairings
             # The length, not probe_min_s: a 'plan' probe waits for the batch to turn over, and at 16-32
             # streams (run BG) one took 8.5-9.3 s, ~9 % of a level's auto time in a mode at 0.73 of 'on'.
@@ -415,9 +420,8 @@ class ModeArbiter:
         r = src.ratio
         if r is None or r >= self.config.far_ratio:
             return
-        dst.n, dst.n_sq, dst.r_sum, dst.r_sq_sum, dst.evidence_t = 1.0, 1.0, r, r * r, now
+        dst.seed(r, now)
         dst.pairings = self.config.warm_loser_pairings - 1  # _far_early needs one own pairing on top
-
 
     def _share(self, m: StepMode, s: _ModeStats) -> float:
         """The time share of a mode's probes: high for a fixed mode until it is paired warm_pairings times,
