@@ -27,7 +27,7 @@ from app.host_steal import StealMeter
 from app.model_runner import ContextOverflow, ModelRunner
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
-from app.policy.mode_arbiter import forced_mode, mode_ks
+from app.policy.step_mode import forced_mode, mode_ks
 from app.policy.step_wall import StepWall
 from app.proposers import NgramProposer, Proposer
 from deployments.metrics_ray import ServeMetrics

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost_model import StepCosts, StepCostsConfig, best_k, best_spec_k, speedup
 from .calibration import StepTimeCalibration
-from .mode_arbiter import ModeArbiterConfig
+from .mode_arbiter_config import ModeArbiterConfig
 from .step_plan import StepCandidate, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor
 

@@ -112,190 +112,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .calibration import batch_bucket  # the same buckets as the planner's step-time calibration
+from .mode_arbiter_config import ModeArbiterConfig
+from .mode_evidence import LoadBucket, MeasuredWindow, ModeProbe, ModeStats
+from .step_mode import HISTORY_DEPENDENT, MODES, StepMode, forced_mode, mode_ks
 
-StepMode = Literal["plan", "on", "off"]
-MODES: tuple[StepMode, ...] = ("plan", "on", "off")
-HISTORY_DEPENDENT: frozenset[StepMode] = frozenset({"plan"})  # measured only on batches that ran in it alone
-
-
-class ModeArbiterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = Field(True, description="choose the step mode by measured goodput; False: the planner always")
-    pinned_mode: StepMode | None = Field(None, description="a diagnostic A/B: every adaptive batch runs in this mode, "
-                                                           "no probes (auto's request path with one step choice, "
-                                                           "against the forced policy of that mode)")
-    step_trace_path: str | None = Field(None, description="a diagnostic: the target server appends every engine "
-                                                           "step (times, tokens, mode, sequence ids) to this file "
-                                                           "as a JSON line (bench.step_trace reads it)")
-    probe_min_steps: int = Field(8, ge=1, description="a probe of a non-leading mode runs at least this many steps "
-                                                      "(4-step windows at 32 streams differed up to 2x, run AT)")
-    probe_min_s: float = Field(1.0, ge=0.0, description="... and at least this many seconds; the leader is measured "
-                                                        "as long before and after it, to pair with (0.25 s windows "
-                                                        "spread ~30 % at 2 streams, run AT)")
-    probe_max_s: float = Field(10.0, gt=0.0, description="a probe's own steps, and the leader's after it, that "
-                                                         "have not filled a window in this many seconds end it "
-                                                         "unpaired (a 'plan' window waits for the batch to turn "
-                                                         "over)")
-    settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
-    warm_pairings: int = Field(3, ge=1, description="a mode's first this many pairings in a bucket are probed at "
-                                                    "warm_share, and it takes the lead only after them")
-    warm_loser_pairings: int = Field(2, ge=1, description="... but a mode surely under far_ratio after this many "
-                                                          "ends its warm-up (probed at its share from then on)")
-    plan_warm_share: float = Field(0.02, gt=0.0, le=1.0, description="... and of the planner's, which also waits "
-                                                                    "its last probe's length (probe_min_s, or the "
-                                                                    "nearest load's) / this share before its first "
-                                                                    "probe at a load: a model, the long shot (0.05: "
-                                                                    "3.5-7.5 % of auto's time per level in run BS, "
-                                                                    "no bucket led, b32's 4.5 s never paired)")
-    warm_share: float = Field(1.0, gt=0.0, le=1.0, description="time share of probes of a fixed mode not yet paired "
-                                                               "warm_pairings times")
-    base_share: float = Field(0.03, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader "
-                                                                "(0.05: probes took ~13 % of auto's time at 2 streams "
-                                                                "in modes 6-13 % worse, run AU)")
-    min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
-    far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a mode surely under this share of the leader "
-                                                               "(mean ratio + far_z standard errors) halves its share")
-    switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only when surely above this share of "
-                                                          "the leader (mean ratio - switch_z standard errors)")
-    switch_z: float = Field(0.5, ge=0.0, description="standard errors of the mean ratio a new leader must clear")
-    plan_switch_z: float = Field(1.5, ge=0.0, description="... and the planner, taking the lead from a fixed mode "
-                                                          "(the fixed modes are the choices auto is judged against)")
-    first_leader: StepMode = Field("off", description="the leader of the first load bucket, before any "
-                                                      "measurement (later buckets start with the nearest one's)")
-    far_z: float = Field(1.0, ge=0.0, description="standard errors by which a mode must be under far_ratio")
-    contender_z: float = Field(0.5, ge=0.0, description="a fixed mode whose mean ratio + this many standard errors "
-                                                        "is above the leader's is raced at warm_share (see _share)")
-    probe_cv: float = Field(0.2, gt=0.0, description="prior spread of one probe's ratio (its coefficient of "
-                                                     "variation; ~0.2 for 0.25-s probes at one stream, run AP-diag)")
-    half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
-                                                              "for display (snapshot); decisions use paired ratios")
-    stale_after_s: float = Field(5.0, gt=0.0, description="a leader unmeasured this long has no current figure: "
-                                                          "it is measured afresh before any probe")
-    evidence_half_life_s: float = Field(120.0, gt=0.0, description="wall seconds over which a mode's paired ratio to "
-                                                                   "the leader is averaged")
-    max_steal_gap: float = Field(0.03, gt=0.0, le=1.0, description="a pairing whose probe ran at a host CPU steal "
-                                                                   "share this far from the leader's windows around "
-                                                                   "it is dropped (needs a steal meter)")
-    inherit_clear_losers: bool = Field(True, description="a new load skips the warm-up of a mode the nearest load "
-                                                         "found surely under far_ratio of their common leader")
-    window_lifetimes: float = Field(1.0, ge=0.0, description="every window (the leader's before and after a probe, "
-                                                              "the probe's) lasts at least this many mean sequence "
-                                                              "lifetimes at its load, up to probe_max_s / 2 (closed-"
-                                                              "loop batches move in waves; run BK, 32 streams)")
-    load_window_s: float = Field(1.0, ge=0.0, description="a step is judged in the bucket of its load: the largest "
-                                                          "batch of the last this many seconds, its own included "
-                                                          "(0: the step's own batch size)")
-
-    @model_validator(mode="after")
-    def _share_shrinks(self) -> "ModeArbiterConfig":
-        if self.min_share > self.base_share:
-            raise ValueError(f"mode_arbiter.min_share={self.min_share} > base_share={self.base_share}: the probe "
-                             "share only shrinks from the base; set min_share <= base_share")
-        return self
-
-
-@dataclass
-class _ModeStats:
-    share: float  # time share its probes may take of the leader's time
-    tokens: float = 0.0  # decayed sum of output tokens over its measured steps (display)
-    seconds: float = 0.0  # ... and of their wall seconds
-    # paired evidence: time-decayed sums over its probes of weight d, d^2, d * ratio, d * ratio^2, where
-    # ratio = the probe's goodput / the leader's around it
-    n: float = 0.0
-    n_sq: float = 0.0
-    r_sum: float = 0.0
-    r_sq_sum: float = 0.0
-    evidence_t: float = 0.0  # clock time the sums were last decayed to
-    steps: int = 0  # measured steps, undecayed
-    pairings: int = 0  # probes paired with the leader, undecayed
-    waited_s: float = 0.0  # leader seconds since it was last measured
-    probe_s: float = 0.0  # wall seconds its last probe took (settling included)
-    inherited_loser: bool = False  # a clear loser carried over from the nearest load, not yet paired here
-
-    @property
-    def goodput(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def ratio(self) -> float | None:
-        """Its goodput over the leader's, measured side by side in time (mean over probes); None before any pair."""
-        return self.r_sum / self.n if self.n > 0 else None
-
-    def variance(self, prior_cv: float) -> float:
-        """One probe's ratio variance: the probes' own, shrunk towards the prior by one pseudo-probe."""
-        mean = self.r_sum / self.n
-        sample = max(self.r_sq_sum / self.n - mean * mean, 0.0)
-        return (sample * self.n + (prior_cv * mean) ** 2) / (self.n + 1.0)
-
-    def std_error(self, prior_cv: float) -> float:
-        """Of the mean ratio, with the effective number of probes (n^2 / n_sq) of the decayed weights."""
-        return (self.variance(prior_cv) * self.n_sq) ** 0.5 / self.n
-
-    def seed(self, ratio: float, now: float) -> None:
-        """Evidence of one pseudo-pairing at `ratio`: what a new load carries over from the nearest one."""
-        self.n, self.n_sq, self.r_sum, self.r_sq_sum, self.evidence_t = 1.0, 1.0, ratio, ratio * ratio, now
-
-    def due(self, share: float) -> bool:
-        return self.waited_s > 0 and self.waited_s * share >= self.probe_s
-
-
-@dataclass
-class _Window:
-    """Measured steps of one mode in a row: output tokens, wall seconds, steps."""
-    tokens: float = 0.0
-    seconds: float = 0.0
-    steps: int = 0
-    stolen: int = 0  # host CPU ticks stolen by the hypervisor over its steps (with a steal meter)
-    ticks: int = 0  # ... of all host CPU ticks over them
-
-    def add(self, tokens: float, seconds: float, stolen: int = 0, ticks: int = 0) -> None:
-        self.tokens, self.seconds, self.steps = self.tokens + tokens, self.seconds + seconds, self.steps + 1
-        self.stolen, self.ticks = self.stolen + stolen, self.ticks + ticks
-
-    @property
-    def steal(self) -> float | None:
-        return self.stolen / self.ticks if self.ticks > 0 else None
-
-    @property
-    def goodput(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _Probe:
-    """A probe of `mode` paired with the leader's windows just before and just after it: with the
-    host's speed drifting linearly, their mean is the leader's goodput during the probe."""
-    mode: StepMode
-    before: _Window  # the leader's last measured steps when the probe began
-    during: _Window = field(default_factory=_Window)  # the probed mode's measured steps
-    after: _Window = field(default_factory=_Window)  # the leader's first measured steps after it
-    running: bool = True  # the probe's own steps are still running (else: measuring `after`)
-    last_t: float = 0.0  # clock time of its last step (its own or the leader's after it)
-    phase_s: float = 0.0  # wall seconds of the current phase's steps (running, then after), measured or not
-
-
-@dataclass
-class _Bucket:
-    stats: dict[str, _ModeStats]
-    leader: StepMode  # first_leader, or the nearest load's leader when the bucket was made
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # the leader's measured steps: (tokens, s,
-    # stolen ticks, ticks)
-    leader_t: float | None = None  # clock time of the leader's last measured step
-    probe: _Probe | None = None
-    settle_left: int = 0
-    probes: int = 0
-    steps_by_mode: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
-    pairs: deque = field(default_factory=lambda: deque(maxlen=8))  # the last pairings, for the snapshot
-    steal_dropped: int = 0  # pairings dropped because the host's steal moved across them
-    chosen_s: dict[str, float] = field(default_factory=lambda: {m: 0.0 for m in MODES})  # wall s of chosen steps
-    lifetime_s: float | None = None  # decaying mean of the wall seconds a sequence spent in the batch at this load
+__all__ = ["HISTORY_DEPENDENT", "MODES", "ModeArbiter", "ModeArbiterConfig", "StepMode", "forced_mode", "mode_ks"]
 
 
 class ModeArbiter:
@@ -309,7 +132,7 @@ class ModeArbiter:
         self._clock = clock
         self._steal_meter = steal_meter
         self._lambda = 0.5 ** (1.0 / self.config.half_life_steps)
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[int, LoadBucket] = {}
         self._last_mode: StepMode | None = None  # the mode of the engine's last step, any bucket
         # the modes each running sequence has stepped in since it joined (the last step's batch)
         self._seq_modes: dict[str, frozenset[StepMode]] = {}
@@ -333,7 +156,7 @@ class ModeArbiter:
             self._sizes.pop()
         self._sizes.append((now, batch_size))
 
-    def _bucket(self, load: int, now: float) -> _Bucket:
+    def _bucket(self, load: int, now: float) -> LoadBucket:
         key = batch_bucket(load)
         b = self._buckets.get(key)
         if b is None:
@@ -341,7 +164,7 @@ class ModeArbiter:
             # then runs mostly in a mode likely right (run AU: led by the planner, the first two auto
             # cells at 8 streams and at 16 ran at 0.7-0.8 of 'on' until the warm-up moved the lead)
             near = min(self._buckets, key=lambda k: (abs(k.bit_length() - key.bit_length()), k), default=None)
-            b = self._buckets[key] = _Bucket({m: _ModeStats(share=self.config.base_share) for m in MODES},
+            b = self._buckets[key] = LoadBucket({m: ModeStats(share=self.config.base_share) for m in MODES},
                                              leader=self._buckets[near].leader if near is not None
                                              else self.config.first_leader)
             if near is not None and self.config.inherit_clear_losers:
@@ -358,7 +181,7 @@ class ModeArbiter:
             # stale by itself, see _leader_window)
         return b
 
-    def _far_early(self, s: _ModeStats) -> bool:
+    def _far_early(self, s: ModeStats) -> bool:
         """Surely under far_ratio of the leader after warm_loser_pairings: its warm-up ends (it cannot
         take the lead before warm_pairings anyway). Why: at 16 streams in run BT three warm-up probes of
         'off' (0.76, 0.75, 0.71 of 'on', each a ~2.5-s window and the switch back) took 7.7 s of auto's
@@ -367,7 +190,7 @@ class ModeArbiter:
         return (s.pairings >= c.warm_loser_pairings and s.ratio is not None
                 and s.ratio + c.far_z * s.std_error(c.probe_cv) < c.far_ratio)
 
-    def _inherit_clear_losers(self, near: _Bucket, b: _Bucket, now: float) -> None:
+    def _inherit_clear_losers(self, near: LoadBucket, b: LoadBucket, now: float) -> None:
         """A mode the nearest load found surely worse than its leader (b's leader too) by its own pairings
         there skips b's warm-up:
         one pseudo-pairing at its ratio there, and a first probe only after its last probe's length
@@ -410,7 +233,7 @@ class ModeArbiter:
             dst.share = max(src.share, self.config.base_share / 2)
             dst.inherited_loser = True
 
-    def _suspect_second_hand_loser(self, src: _ModeStats, dst: _ModeStats, now: float) -> None:
+    def _suspect_second_hand_loser(self, src: ModeStats, dst: ModeStats, now: float) -> None:
         """A loser the nearest load had only inherited (never paired there) is a suspect here, not a verdict:
         its ratio there counts as one of the warm_loser_pairings, so one own pairing that agrees ends its
         warm-up (_far_early), and one that disagrees leaves it warming up (a crossover is still found).
@@ -423,7 +246,7 @@ class ModeArbiter:
         dst.seed(r, now)
         dst.pairings = self.config.warm_loser_pairings - 1  # _far_early needs one own pairing on top
 
-    def _share(self, m: StepMode, s: _ModeStats) -> float:
+    def _share(self, m: StepMode, s: ModeStats) -> float:
         """The time share of a mode's probes: high for a fixed mode until it is paired warm_pairings times,
         and high again while its mean ratio says it may beat the leader (a contender, raced until the lead
         moves or the mean falls back). Why: at 4 streams in run BN 'on' paired at 1.10, 1.02 and 0.93
@@ -445,28 +268,28 @@ class ModeArbiter:
             return c.warm_share
         return s.share
 
-    def _window_s(self, b: _Bucket) -> float:
+    def _window_s(self, b: LoadBucket) -> float:
         """A window's least measured seconds at this load: probe_min_s, or window_lifetimes mean sequence
         lifetimes, whichever is longer (capped at probe_max_s / 2, so a probe can still end)."""
         c = self.config
         lifetimes = c.window_lifetimes * b.lifetime_s if b.lifetime_s is not None else 0.0
         return max(c.probe_min_s, min(lifetimes, c.probe_max_s / 2))
 
-    def _enough(self, w: _Window, b: _Bucket) -> bool:
+    def _enough(self, w: MeasuredWindow, b: LoadBucket) -> bool:
         return w.steps >= self.config.probe_min_steps and w.seconds >= self._window_s(b)
 
-    def _leader_stale(self, b: _Bucket, now: float) -> bool:
+    def _leader_stale(self, b: LoadBucket, now: float) -> bool:
         """Whether the leader went unmeasured stale_after_s (its steps so far are then forgotten)."""
         if b.leader_t is None or now - b.leader_t > self.config.stale_after_s:
             b.recent.clear()
             return True
         return False
 
-    def _leader_window(self, b: _Bucket, now: float) -> _Window:
+    def _leader_window(self, b: LoadBucket, now: float) -> MeasuredWindow:
         """The leader's latest measured steps, as few as make a probe's length; none when the leader
         went unmeasured stale_after_s (the bucket may have run forced traffic meanwhile)."""
         if self._leader_stale(b, now):
-            return _Window()
+            return MeasuredWindow()
         # local sums, the bounds computed once: this walks ~a second of steps (~130 at 2 streams) and
         # ran on every step before the due check moved ahead of it, ~70 us a step, ~1 % of a 7-ms step
         need_s, need_steps = self._window_s(b), self.config.probe_min_steps
@@ -477,7 +300,7 @@ class ModeArbiter:
             stolen, ticks = stolen + step_stolen, ticks + step_ticks
             if steps >= need_steps and seconds >= need_s:
                 break
-        return _Window(tokens, seconds, steps, stolen, ticks)
+        return MeasuredWindow(tokens, seconds, steps, stolen, ticks)
 
     def mode(self, batch_size: int) -> StepMode:
         """The mode this step of a batch of `batch_size` (with adaptive sequences) runs in."""
@@ -512,12 +335,12 @@ class ModeArbiter:
         if not self._enough(before, b):
             return b.leader
         mode = max(due, key=lambda m: b.stats[m].waited_s * self._share(m, b.stats[m]))  # the longest-waiting first
-        b.probe = _Probe(mode, before, last_t=now)
+        b.probe = ModeProbe(mode, before, last_t=now)
         b.stats[mode].probe_s = 0.0
         b.probes += 1
         return mode
 
-    def _drop_probe(self, b: _Bucket) -> None:
+    def _drop_probe(self, b: LoadBucket) -> None:
         """A probe that filled no window: unpaired, and its mode waits its share of the time it took."""
         b.stats[b.probe.mode].waited_s = 0.0
         b.probe = None
@@ -534,7 +357,7 @@ class ModeArbiter:
         if seq_ids is not None:
             self._seq_modes = {s: self._seq_modes.get(s, frozenset()) | {mode} for s in seq_ids}
 
-    def _record_lifetimes(self, b: _Bucket, seq_ids: Sequence[str] | None, seconds: float, now: float) -> None:
+    def _record_lifetimes(self, b: LoadBucket, seq_ids: Sequence[str] | None, seconds: float, now: float) -> None:
         """Sequences of the last step missing from this one have left: their time in the batch (from the
         start of their first observed step to the end of their last) joins this load's mean lifetime."""
         if seq_ids is None:
@@ -552,11 +375,11 @@ class ModeArbiter:
             self._born.setdefault(s, start)
         self._last_end = now
 
-    def _decay_evidence(self, s: _ModeStats, now: float) -> None:
+    def _decay_evidence(self, s: ModeStats, now: float) -> None:
         f = 0.5 ** (max(now - s.evidence_t, 0.0) / self.config.evidence_half_life_s)
         s.n, s.r_sum, s.r_sq_sum, s.n_sq, s.evidence_t = s.n * f, s.r_sum * f, s.r_sq_sum * f, s.n_sq * f * f, now
 
-    def _pair(self, b: _Bucket, mode: StepMode, during: _Window, leader_goodput: float, now: float) -> None:
+    def _pair(self, b: LoadBucket, mode: StepMode, during: MeasuredWindow, leader_goodput: float, now: float) -> None:
         """Evidence for `mode` against the leader, then its judgement: the mode takes the lead when
         clearly above it; a mode clearly worse is probed half as much, one close or better at the base share."""
         s, c = b.stats[mode], self.config
@@ -574,7 +397,7 @@ class ModeArbiter:
         if s.pairings >= c.warm_pairings and s.ratio - z * se > c.switch_ratio:
             self._switch(b, mode, now)
 
-    def _switch(self, b: _Bucket, new: StepMode, now: float) -> None:
+    def _switch(self, b: LoadBucket, new: StepMode, now: float) -> None:
         """`new` leads: every ratio is re-expressed against it (r_x / r_new), the old leader's is 1 / r_new."""
         old, n = b.stats[b.leader], b.stats[new]
         for s in b.stats.values():
@@ -662,7 +485,7 @@ class ModeArbiter:
                         # leader windows, and three pairings take ~6 s at one stream, not ~12)
                         b.stats[p.mode].waited_s = p.after.seconds
 
-    def _steal_moved(self, p: _Probe) -> bool:
+    def _steal_moved(self, p: ModeProbe) -> bool:
         """Whether the host's steal share during the probe was more than max_steal_gap away from the mean of
         the leader's windows around it (False where any of the three has no reading)."""
         during, before, after = p.during.steal, p.before.steal, p.after.steal
@@ -691,23 +514,3 @@ class ModeArbiter:
             }
             for key, b in sorted(self._buckets.items())
         }
-
-
-def forced_mode(requested_ks: list[int], adaptive: list[bool], default_k: int) -> StepMode | None:
-    """The mode a batch with no adaptive sequence measures: 'off' when every sequence asked for
-    no drafts, 'on' when every one asked for `default_k` (forced 'on'), else None (a mix)."""
-    if any(adaptive) or not requested_ks:
-        return None
-    if all(k == 0 for k in requested_ks):
-        return "off"
-    if all(k == default_k for k in requested_ks):
-        return "on"
-    return None
-
-
-def mode_ks(mode: StepMode, caps: list[int], adaptive: list[bool], default_k: int) -> list[int] | None:
-    """Drafts per sequence for a fixed mode: adaptive sequences at `default_k` ('on') or 0 ('off'),
-    forced ones at their cap as always; None for 'plan' (the planner decides)."""
-    if mode == "plan":
-        return None
-    return [(min(cap, default_k) if mode == "on" else 0) if a else cap for cap, a in zip(caps, adaptive)]

@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from app.policy import ModeArbiter, ModeArbiterConfig, PolicyConfig, batch_bucket
-from app.policy.mode_arbiter import _Window, forced_mode, mode_ks
+from app.policy.mode_evidence import MeasuredWindow
+from app.policy.step_mode import forced_mode, mode_ks
 
 STEP_S = 0.01
 
@@ -652,7 +653,7 @@ def test_the_planner_needs_surer_evidence_than_a_fixed_mode_to_take_the_lead(
     arb = arbiter(first_leader="on", plan_switch_z=plan_switch_z)
     b = arb._bucket(4, arb._clock())
     for r in (1.25, 0.95, 1.20):
-        arb._pair(b, challenger, _Window(tokens=100.0 * r, seconds=1.0, steps=8), 100.0, arb._clock())
+        arb._pair(b, challenger, MeasuredWindow(tokens=100.0 * r, seconds=1.0, steps=8), 100.0, arb._clock())
     assert (b.leader == challenger) is leads
 
 

@@ -1,0 +1,85 @@
+"""The mode arbiter's settings (mode_arbiter.py says why each rule exists; the runs named here are in
+bench/RESULTS.md section 7)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .step_mode import StepMode
+
+
+class ModeArbiterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="choose the step mode by measured goodput; False: the planner always")
+    pinned_mode: StepMode | None = Field(None, description="a diagnostic A/B: every adaptive batch runs in this mode, "
+                                                           "no probes (auto's request path with one step choice, "
+                                                           "against the forced policy of that mode)")
+    step_trace_path: str | None = Field(None, description="a diagnostic: the target server appends every engine "
+                                                           "step (times, tokens, mode, sequence ids) to this file "
+                                                           "as a JSON line (bench.step_trace reads it)")
+    probe_min_steps: int = Field(8, ge=1, description="a probe of a non-leading mode runs at least this many steps "
+                                                      "(4-step windows at 32 streams differed up to 2x, run AT)")
+    probe_min_s: float = Field(1.0, ge=0.0, description="... and at least this many seconds; the leader is measured "
+                                                        "as long before and after it, to pair with (0.25 s windows "
+                                                        "spread ~30 % at 2 streams, run AT)")
+    probe_max_s: float = Field(10.0, gt=0.0, description="a probe's own steps, and the leader's after it, that "
+                                                         "have not filled a window in this many seconds end it "
+                                                         "unpaired (a 'plan' window waits for the batch to turn "
+                                                         "over)")
+    settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
+    warm_pairings: int = Field(3, ge=1, description="a mode's first this many pairings in a bucket are probed at "
+                                                    "warm_share, and it takes the lead only after them")
+    warm_loser_pairings: int = Field(2, ge=1, description="... but a mode surely under far_ratio after this many "
+                                                          "ends its warm-up (probed at its share from then on)")
+    plan_warm_share: float = Field(0.02, gt=0.0, le=1.0, description="... and of the planner's, which also waits "
+                                                                    "its last probe's length (probe_min_s, or the "
+                                                                    "nearest load's) / this share before its first "
+                                                                    "probe at a load: a model, the long shot (0.05: "
+                                                                    "3.5-7.5 % of auto's time per level in run BS, "
+                                                                    "no bucket led, b32's 4.5 s never paired)")
+    warm_share: float = Field(1.0, gt=0.0, le=1.0, description="time share of probes of a fixed mode not yet paired "
+                                                               "warm_pairings times")
+    base_share: float = Field(0.03, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader "
+                                                                "(0.05: probes took ~13 % of auto's time at 2 streams "
+                                                                "in modes 6-13 % worse, run AU)")
+    min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
+    far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a mode surely under this share of the leader "
+                                                               "(mean ratio + far_z standard errors) halves its share")
+    switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only when surely above this share of "
+                                                          "the leader (mean ratio - switch_z standard errors)")
+    switch_z: float = Field(0.5, ge=0.0, description="standard errors of the mean ratio a new leader must clear")
+    plan_switch_z: float = Field(1.5, ge=0.0, description="... and the planner, taking the lead from a fixed mode "
+                                                          "(the fixed modes are the choices auto is judged against)")
+    first_leader: StepMode = Field("off", description="the leader of the first load bucket, before any "
+                                                      "measurement (later buckets start with the nearest one's)")
+    far_z: float = Field(1.0, ge=0.0, description="standard errors by which a mode must be under far_ratio")
+    contender_z: float = Field(0.5, ge=0.0, description="a fixed mode whose mean ratio + this many standard errors "
+                                                        "is above the leader's is raced at warm_share (see _share)")
+    probe_cv: float = Field(0.2, gt=0.0, description="prior spread of one probe's ratio (its coefficient of "
+                                                     "variation; ~0.2 for 0.25-s probes at one stream, run AP-diag)")
+    half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
+                                                              "for display (snapshot); decisions use paired ratios")
+    stale_after_s: float = Field(5.0, gt=0.0, description="a leader unmeasured this long has no current figure: "
+                                                          "it is measured afresh before any probe")
+    evidence_half_life_s: float = Field(120.0, gt=0.0, description="wall seconds over which a mode's paired ratio to "
+                                                                   "the leader is averaged")
+    max_steal_gap: float = Field(0.03, gt=0.0, le=1.0, description="a pairing whose probe ran at a host CPU steal "
+                                                                   "share this far from the leader's windows around "
+                                                                   "it is dropped (needs a steal meter)")
+    inherit_clear_losers: bool = Field(True, description="a new load skips the warm-up of a mode the nearest load "
+                                                         "found surely under far_ratio of their common leader")
+    window_lifetimes: float = Field(1.0, ge=0.0, description="every window (the leader's before and after a probe, "
+                                                              "the probe's) lasts at least this many mean sequence "
+                                                              "lifetimes at its load, up to probe_max_s / 2 (closed-"
+                                                              "loop batches move in waves; run BK, 32 streams)")
+    load_window_s: float = Field(1.0, ge=0.0, description="a step is judged in the bucket of its load: the largest "
+                                                          "batch of the last this many seconds, its own included "
+                                                          "(0: the step's own batch size)")
+
+    @model_validator(mode="after")
+    def _share_shrinks(self) -> "ModeArbiterConfig":
+        if self.min_share > self.base_share:
+            raise ValueError(f"mode_arbiter.min_share={self.min_share} > base_share={self.base_share}: the probe "
+                             "share only shrinks from the base; set min_share <= base_share")
+        return self
