@@ -192,59 +192,36 @@ class ModeArbiter:
 
     def _inherit_clear_losers(self, near: LoadBucket, b: LoadBucket, now: float) -> None:
         """A mode the nearest load found surely worse than its leader (b's leader too) by its own pairings
-        there skips b's warm-up:
-        one pseudo-pairing at its ratio there, and a first probe only after its last probe's length
-        there / its share there (at most
-        halved from the base) of the leader's time. Why: the warm-up's probes are the arbiter's main cost
-        where a level is short and steps long; at 32 streams (runs BC, BD) b32 spent ~30 % of auto's
-        time probing 'plan' and 'off', which b16 had paired at 0.71-0.78 of 'on', and auto ran at
-        0.88-0.91 of forced 'on'. A mode that was close there gets the full warm-up here."""
+        there is a suspect here, not a verdict: its ratio there counts as one of the warm_loser_pairings,
+        so one own pairing that agrees ends its warm-up (_far_early), and one that disagrees leaves it
+        warming up (a crossover is still found). A mode that was close there gets the full warm-up here.
+        Why one probe, not none: the warm-up's probes are the arbiter's main cost where a level is short
+        and steps long (runs BC, BD: ~30 % of auto's time at 32 streams with two or three probes of each
+        mode), but a verdict spans a crossover unmeasured. In run CU (8c43513) b2 paired 'on' at ~0.80 of
+        'off', b4 inherited it with its first probe 67 s away (1 s over the share it had there), and auto
+        decoded plainly through the whole level where forced 'on' was ~7 % faster (0.88 of 'on'); run CI
+        (d48c541) lost four levels to a chain of such verdicts. One confirming probe costs a level ~0.5-1 %
+        (run BY: two cost b16 4.2 s of ~78 at 0.72 of 'on'); missing a crossover costs the whole gap."""
         for m in MODES:
             if m == b.leader:
                 continue
             src = near.stats[m]
             self._decay_evidence(src, now)
             # surely worse as soon as its warm-up there ended early (_far_early): in run BX (2e29455) b8 ended
-            # 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on', b16 and b32 (with _far, which wants
-            # warm_pairings) each warmed it up again, 4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72
-            # Never in full a loser it had only inherited itself (that one is a suspect here, confirmed by one
-            # probe: _suspect_second_hand_loser): a chain of inheritances spans a crossover unmeasured.
-            # In run CI (d48c541) b1 paired 'on' at 0.90, 0.91 and 0.65 (a host hiccup) of 'off', b2 inherited
-            # it, b4 inherited it from b2 and b8-b32 each from the load before, none with one probe: forced 'on'
-            # beat forced 'off' there by 15-37 %, and auto decoded plainly through all four levels. Warming a
-            # far mode up again costs a level ~1-2 % (run BY: b16, 4.2 s at 0.72 of 'on'); missing a crossover
-            # costs the whole gap.
-            if src.inherited_loser:
-                self._suspect_second_hand_loser(src, b.stats[m], now)
-                continue
+            # 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on', and b16 and b32 each warmed it up
+            # again in full (4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72); a suspect costs one probe.
+            # Only a load's own pairings pass a loser on: a suspect not yet probed here has one pseudo-
+            # pairing, not enough for _far_early, so the next load warms it up in full.
             if not self._far_early(src):
                 continue
             dst = b.stats[m]
             dst.seed(src.ratio, now)
-            dst.pairings = self.config.warm_pairings
-            # The length, not probe_min_s: a 'plan' probe waits for the batch to turn over, and at 16-32
-            # streams (run BG) one took 8.5-9.3 s, ~9 % of a level's auto time in a mode at 0.73 of 'on'.
-            dst.probe_s = max(src.probe_s, self.config.probe_min_s)
-            # The share it reached there, not the base: in runs BU/BV b16 had cut 'off' (0.77 of 'on') to
-            # 0.015, b32 started it at 0.03 again, and its one probe cost a 13-s cell ~18 % (0.72 of 'on',
-            # then the draft's catch-up); auto read 0.960 of 'on' there. But no lower than one halving (the
-            # pseudo-pairing counts as one clear loss here): a load past a crossover (drafting loses under
-            # load) still probes the neighbour's loser within 2 x its probe's length / base_share.
+            dst.pairings = self.config.warm_loser_pairings - 1  # _far_early needs one own pairing on top
+            # The share it reached there, for the probes after the confirming one: in runs BU/BV b16 had cut
+            # 'off' (0.77 of 'on') to 0.015, b32 started it at 0.03 again, and its one probe cost a 13-s cell
+            # ~18 %. No lower than one halving from the base (the confirming probe halves it again), so a
+            # load past a crossover still probes the mode within a few of its probe's lengths / base_share.
             dst.share = max(src.share, self.config.base_share / 2)
-            dst.inherited_loser = True
-
-    def _suspect_second_hand_loser(self, src: ModeStats, dst: ModeStats, now: float) -> None:
-        """A loser the nearest load had only inherited (never paired there) is a suspect here, not a verdict:
-        its ratio there counts as one of the warm_loser_pairings, so one own pairing that agrees ends its
-        warm-up (_far_early), and one that disagrees leaves it warming up (a crossover is still found).
-        Why: with second-hand losers warmed up in full, every other load paid two probes of a mode
-        at ~0.72 of 'on' (runs CJ and CM: b16, 9.1 and 8.1 s of ~78-91 in 'off'; CK: b32, one auto cell at
-        0.68 of 'on'), and the pooled sweeps read 0.947 at 16 streams."""
-        r = src.ratio
-        if r is None or r >= self.config.far_ratio:
-            return
-        dst.seed(r, now)
-        dst.pairings = self.config.warm_loser_pairings - 1  # _far_early needs one own pairing on top
 
     def _share(self, m: StepMode, s: ModeStats) -> float:
         """The time share of a mode's probes: high for a fixed mode until it is paired warm_pairings times,
@@ -257,14 +234,13 @@ class ModeArbiter:
             return c.plan_warm_share if m == "plan" else c.warm_share
         if s.ratio is not None and s.ratio > 1.0:
             return c.warm_share
-        if m != "plan" and not s.inherited_loser and s.ratio is not None \
+        if m != "plan" and s.ratio is not None \
                 and s.ratio + c.contender_z * s.std_error(c.probe_cv) > 1.0:
             # ... and a fixed mode that may still beat it: racing a close mode costs little (its ratio is
             # near 1), leaving it at the base share costs the whole gap when it is the better one. At 4
             # streams in run CC 'on' (9 % faster in the forced cells) paired at 0.99, 0.98 and 0.97 of the
             # inherited 'off' in its warm-up; at the base share it took 43 s of auto's ~78 to move the lead.
-            # Not the planner (its probes wait for the batch to turn over, ~9 s at 16-32 streams), nor an
-            # inherited loser (its one pseudo-pairing carries the prior's whole spread).
+            # Not the planner (its probes wait for the batch to turn over, ~9 s at 16-32 streams).
             return c.warm_share
         return s.share
 
@@ -388,7 +364,7 @@ class ModeArbiter:
         self._decay_evidence(s, now)
         r = during.goodput / leader_goodput
         s.n, s.n_sq, s.r_sum, s.r_sq_sum = s.n + 1.0, s.n_sq + 1.0, s.r_sum + r, s.r_sq_sum + r * r
-        s.waited_s, s.pairings, s.inherited_loser = 0.0, s.pairings + 1, False  # judged on its pairings here now
+        s.waited_s, s.pairings = 0.0, s.pairings + 1
         se = s.std_error(c.probe_cv)
         # one probe is noisy (a 0.25-s probe at one stream spread ~20 %): a share is cut, and the lead
         # moves, only on the mean of the probes and its standard error
@@ -402,7 +378,6 @@ class ModeArbiter:
         old, n = b.stats[b.leader], b.stats[new]
         for s in b.stats.values():
             self._decay_evidence(s, now)
-            s.inherited_loser = False  # its evidence is re-expressed against the new leader
         r, var = n.ratio, n.variance(self.config.probe_cv)
         for m in MODES:
             if m not in (b.leader, new):

@@ -67,8 +67,9 @@ class ModeArbiterConfig(BaseModel):
     max_steal_gap: float = Field(0.03, gt=0.0, le=1.0, description="a pairing whose probe ran at a host CPU steal "
                                                                    "share this far from the leader's windows around "
                                                                    "it is dropped (needs a steal meter)")
-    inherit_clear_losers: bool = Field(True, description="a new load skips the warm-up of a mode the nearest load "
-                                                         "found surely under far_ratio of their common leader")
+    inherit_clear_losers: bool = Field(True, description="a mode the nearest load found surely under far_ratio of "
+                                                         "their common leader is a suspect at a new load: one own "
+                                                         "probe that agrees ends its warm-up (False: full warm-up)")
     window_lifetimes: float = Field(1.0, ge=0.0, description="every window (the leader's before and after a probe, "
                                                               "the probe's) lasts at least this many mean sequence "
                                                               "lifetimes at its load, up to probe_max_s / 2 (closed-"

@@ -26,7 +26,6 @@ class ModeStats:
     pairings: int = 0  # probes paired with the leader, undecayed
     waited_s: float = 0.0  # leader seconds since it was last measured
     probe_s: float = 0.0  # wall seconds its last probe took (settling included)
-    inherited_loser: bool = False  # a clear loser carried over from the nearest load, not yet paired here
 
     @property
     def goodput(self) -> float:
