@@ -503,7 +503,8 @@ def main() -> None:
                                                    "cells": [asdict(c) for c in cells], "verdict": v}, indent=1) + "\n")
         if args.png:
             plot(cells, levels, Path(args.png), f"specserve on CPU (embedded pair), closed-loop streams; pooled "
-                                                f"{len(args.pool)} sweeps: {', '.join(Path(x).stem for x in args.pool)}")
+                                                f"{len(args.pool)} sweep{'' if len(args.pool) == 1 else 's'}: "
+                                                f"{', '.join(Path(x).stem for x in args.pool)}")
         return
     args.json = args.json or str(PROJECT_ROOT / "bench" / "results" / "load-cpu.json")
     args.png = args.png or str(PROJECT_ROOT / "bench" / "load.png")
