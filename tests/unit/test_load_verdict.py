@@ -30,6 +30,25 @@ def test_the_paired_ratio_divides_by_the_levels_better_fixed_policy_in_every_rou
     assert level["auto_over_best_fixed"] == pytest.approx(78.0 / 75.0, abs=1e-3)  # medians: 75, 70, 78
 
 
+def test_the_target_is_read_on_the_medians_and_on_the_paired_rounds_apart() -> None:
+    # the host's speed moves from round to round (on: 100, 60, 80 tok/s). Auto is 1.00, 1.00 and 0.95
+    # of 'on' round by round (paired 0.983, within 3 %), but its median cell (76) is the slow round's
+    # and the median of 'on' (80) another's: 0.95 on the medians. Each reading gives its own verdict
+    cells = [cell(p, 8, r, g) for r, (on, off, auto) in enumerate([(100.0, 70.0, 100.0), (60.0, 40.0, 60.0),
+                                                                   (80.0, 60.0, 76.0)])
+             for p, g in (("on", on), ("off", off), ("auto", auto))]
+    v = verdict(cells, [8])
+    assert v["levels"][0]["auto_over_best_fixed"] == pytest.approx(0.95)
+    assert v["levels"][0]["paired_mean"] == pytest.approx((1.0 + 1.0 + 0.95) / 3, abs=1e-3)
+    assert v["auto_within_3pct_everywhere"] is False and v["auto_within_3pct_everywhere_paired"] is True
+    assert v["auto_above_both_somewhere_paired"] is False
+    cells[-1].goodput_tok_s = 70.0  # round 2 at 0.875 of 'on': paired 0.958 fails too
+    assert verdict(cells, [8])["auto_within_3pct_everywhere_paired"] is False
+    cells[2].goodput_tok_s = cells[5].goodput_tok_s = 110.0  # rounds 0 and 1 well above 'on'
+    v = verdict(cells, [8])
+    assert v["auto_above_both_somewhere_paired"] is True and v["levels"][0]["paired_mean"] > 1.0
+
+
 def test_a_round_missing_a_policy_is_left_out_of_the_paired_mean() -> None:
     cells = [cell("on", 4, 0, 100.0), cell("off", 4, 0, 80.0), cell("auto", 4, 0, 97.0), cell("on", 4, 1, 120.0)]
     level = verdict(cells, [4])["levels"][0]
