@@ -6,20 +6,31 @@ BIN     := $(VENV)/bin
 #   make setup TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC ?= torch==2.13.0
 CONFIG  ?= configs/local.yaml
+METRICS_PORT ?= 8080
 
-.PHONY: setup run test test-unit clean
+.PHONY: setup setup-run run test test-unit clean
 
-$(BIN)/.ready: pyproject.toml
+# Two stamps: .ready-run = what serving needs (`pip install -e .`), for `make run`;
+# .ready = that plus the test extras (`.[test]`), for `make test` and development (`make setup`).
+$(BIN)/.ready-run: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(BIN)/.ready: $(BIN)/.ready-run
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
+setup-run: $(BIN)/.ready-run
+
 setup: $(BIN)/.ready
 
-run: setup
-	$(BIN)/python -m deployments.run_local --config $(CONFIG)
+# Starts Ray with its dashboard, which writes /tmp/ray/prom_metrics_service_discovery.json
+# (cluster/prometheus/prometheus.yml reads it); metrics on 127.0.0.1:$(METRICS_PORT)/metrics.
+run: setup-run
+	$(BIN)/python -m deployments.run_local --config $(CONFIG) --metrics-export-port $(METRICS_PORT)
 
 test: setup
 	$(BIN)/python -m pytest -q

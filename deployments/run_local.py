@@ -1,4 +1,11 @@
-"""`make run`: start a local Ray, deploy a Serve config, wait until healthy, print how to call it."""
+"""`make run`: start a local Ray, deploy a Serve config, wait until healthy, print how to call it.
+
+Ray starts the way a cluster's head node does for Prometheus: with its dashboard, whose
+process rewrites `<session_dir>/prom_metrics_service_discovery.json` (symlinked from
+`/tmp/ray/prom_metrics_service_discovery.json`) every few seconds with the node's metrics
+endpoint, so a Prometheus using cluster/prometheus.yml finds this host's metrics, and with a
+fixed metrics export port (`--metrics-export-port`, 8080 by default as on the cluster manifests).
+"""
 
 from __future__ import annotations
 
@@ -30,17 +37,27 @@ def wait_healthy(url: str, timeout_s: float = 300) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
+def start_ray(metrics_export_port: int, dashboard_port: int = 8265, num_cpus: int = 2) -> None:
+    """The local Ray `make run` serves on: dashboard on (loopback), metrics on a known port."""
+    ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+             _metrics_export_port=metrics_export_port, num_cpus=num_cpus, log_to_driver=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/local.yaml")
     parser.add_argument("--detach", action="store_true", help="return once healthy, leave it running")
+    parser.add_argument("--metrics-export-port", type=int, default=8080,
+                        help="Ray's Prometheus endpoint: http://127.0.0.1:PORT/metrics")
     args = parser.parse_args()
     config = parse_args({"config": args.config})
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    start_ray(args.metrics_export_port)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     serve.run(build_app(config.model_dump(mode="json")), name="specserve", route_prefix="/", blocking=False)
     wait_healthy("http://127.0.0.1:8000/health")
     print("\nspecserve is up: http://127.0.0.1:8000  (playground: http://127.0.0.1:8000/)")
+    print(f"metrics: http://127.0.0.1:{args.metrics_export_port}/metrics  (Prometheus service discovery: "
+          "/tmp/ray/prom_metrics_service_discovery.json)")
     print("try:\n" + CURL % config.model_name + "\n")
     if args.detach:
         return
