@@ -29,7 +29,7 @@ from pathlib import Path
 
 from app.acceptance import expected_tokens_per_step
 
-DEFAULT_RUN = Path(__file__).parent / "results" / "gpu-h200x2-int8-session8.json"
+DEFAULT_RUN = Path(__file__).parent / "results" / "gpu-h200x2-int8.json"
 
 
 @dataclass(frozen=True)
