@@ -248,7 +248,7 @@ def main() -> None:
             for ms, k, L, R in configs:
                 # the loop as built (fork graph, verify queued first) and two variants side by side:
                 # the eager fork (before session 12) and the draft's work queued before the verify
-                if R not in exact:  # a model with exactly R cache rows (bench.gpu_branch_timeline: see RESULTS section 2)
+                if R not in exact:  # a draft model with exactly R cache rows, as a loop with R rows builds it
                     exact[R] = BranchingDraft(fast_draft("cuda:1", bw, rows=R), R, propose)
                 drafts[R] = exact[R]
                 variants = [] if args.device_verdict_only else [("branching", True, False), ("branching, eager fork", False, False)]
@@ -276,7 +276,7 @@ def main() -> None:
                                                               lambda seed: propose.reseed(alpha, beta, seed=seed), n, seeds)
                     record(mode, bw, alpha, beta, k, L_dev, tok_s, out, stats, ms, same,
                            lambda a, hit: branch_ms(a, hit, k, L_dev, R))
-                    rows[-1]["rows"] = R  # (its GPUs' time per pass: bench.gpu_branch_timeline)
+                    rows[-1]["rows"] = R
                     del device_loop
     res["rows"] = rows
     res["wall_s"] = time.perf_counter() - t0

@@ -146,8 +146,7 @@ def main() -> None:
     parser.add_argument("--draft-ms", type=float, help="override the draft step's cost (ms)")
     parser.add_argument("--pair-extra-ms", type=float, help="override what a 2-token draft step costs over 1 (ms)")
     parser.add_argument("--branch-extra-ms", type=float,
-                        help="what the branch rows add to a draft step (ms; default: the 2-token step's extra); "
-                             "bench.gpu_pass_parts --widths measures a step by width")
+                        help="what the branch rows add to a draft step (ms; default: the 2-token step's extra)")
     args = parser.parse_args()
     costs = PassCosts.from_gpu_json(args.run, args.weights)
     if args.draft_ms is not None:
