@@ -10,7 +10,7 @@ target, as bench.gpu's do. Speed is measured at controlled acceptance, as in ben
 model really runs, but proposes the target's own token with probability alpha. Branching also needs
 a runner-up rate: when a proposal is wrong, the runner-up is the target's token with probability
 beta (`app.fast_branches.ControlledBranches`). The embedded trained pair's measured rates
-(bench/draft_agreement.py, bench/RESULTS.md section 2): 0.52 on code, 0.41 on prose.
+(bench/draft_agreement.py): 0.52 on code, 0.41 on prose.
 
 Rows, per alpha, all in one run on one card pair:
 - sequential, one CUDA graph per pass (app/fast_spec_graph.py), bf16 and int8 drafts: the baselines;
@@ -60,8 +60,7 @@ def branch_step_time(draft: BranchingDraft, reps: int = 50) -> float:
 def measure(fn, n: int, reps: int = 5) -> tuple[float, object]:
     """(tok/s of the median call, result) of `reps` calls of fn() after one warm-up call. The calls
     are identical (seeded coins: the same passes, branches and hits), yet one call's wall time
-    varied by up to 12 % between two runs of this script (bench/RESULTS.md section 2), so one call
-    is not a measurement."""
+    varies by up to 12 % from run to run, so one call is not a measurement."""
     fn()
     out: dict[str, object] = {}
     seconds = sorted(timed(lambda: out.update(r=fn())) for _ in range(reps))
@@ -84,7 +83,7 @@ def measure_seeds(fn, reseed, n: int, seeds: list[int]) -> tuple[float, tuple[li
     """measure() under each coin seed: (tokens over the summed median call times, (the first seed's
     output, the pooled stats), every seed's output identical to the first's). One seed's 256 tokens
     give a per-token acceptance within about ±0.03 of the nominal alpha, and two loops draw their coins
-    in different orders, so a single seed can favour one loop by several percent (session 19)."""
+    in different orders, so a single seed can favour one loop by several percent."""
     seconds, stats, outs = 0.0, [], []
     for seed in seeds:
         reseed(seed)
@@ -121,7 +120,7 @@ def main() -> None:
                         help="weights of the branching draft (int8: the 3-8 row Triton GEMV of app/int8_gemv.py)")
     parser.add_argument("--decode-attention", choices=("matmul", "triton"), default="triton",
                         help="the branching draft's R-row step attends in place (triton, app/rows_attention.py) "
-                             "or through batched matmuls over copied caches (matmul, the default before session 19)")
+                             "or through batched matmuls over copied caches (matmul)")
     parser.add_argument("--device-verdict-only", action="store_true",
                         help="time only the device-verdict branching loop (skip the host-verdict variants)")
     parser.add_argument("--branch-rows", default="", metavar="R,R",
@@ -247,7 +246,7 @@ def main() -> None:
                        [min((branch_ms(alpha, beta, *c), *c) for c in shapes if c[2] == R) for R in branch_rows])
             for ms, k, L, R in configs:
                 # the loop as built (fork graph, verify queued first) and two variants side by side:
-                # the eager fork (before session 12) and the draft's work queued before the verify
+                # the eager fork and the draft's work queued before the verify
                 if R not in exact:  # a draft model with exactly R cache rows, as a loop with R rows builds it
                     exact[R] = BranchingDraft(fast_draft("cuda:1", bw, rows=R), R, propose)
                 drafts[R] = exact[R]

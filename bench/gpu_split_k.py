@@ -3,10 +3,10 @@
     python3 -m bench.gpu_split_k [--rows 1,2,4,5,6] [--shapes wqkv,wo,w_down,w_gate_up] [--no-swap]
         [--json PATH] [--pins-out PATH]
     python3 -m bench.gpu_split_k --loop-steps 1,4,5,6 [--json PATH]  # the loops' draft step, split-K off / on
-    python3 -m bench.gpu_split_k --search s21 --rows 5,4,6,3,7,8 --full-rows 5 --top 10 [--shapes ...]
-        [--json PATH] [--pins-out PATH]  # session 21: the fma form and aligned dots against the current pins
-    python3 -m bench.gpu_split_k --loop-steps 4,5,6 --before session20 [--pins PATH]  # session 20's pins
-        against the current defaults (plus PATH's pins)
+    python3 -m bench.gpu_split_k --search fma --rows 5,4,6,3,7,8 --full-rows 5 --top 10 [--shapes ...]
+        [--json PATH] [--pins-out PATH]  # the fma form and aligned dots against the current pins
+    python3 -m bench.gpu_split_k --loop-steps 4,5,6 --before unaligned [--pins PATH]  # the unaligned
+        split-K pins against the current defaults (plus PATH's pins)
 
 Why: the 1B draft's small matrices give the few-row kernel fewer programs than an H200 has SMs
 (app/int8_gemv.py's docstring). Per 1B weight shape and row count M this times the shape's pinned
@@ -39,8 +39,8 @@ SWAP_CANDIDATES = [(bn, bk, w, s, "atomic-swap") for bn, bk, w in ((64, 128, 4),
                                                                     (128, 128, 4), (128, 128, 8)) for s in (1, 2, 4, 8)]
 
 
-# session 21: _int8_fma_kernel's thin blocks (no tensor cores, one accumulator per row), unsplit or split
-# (atomic epilogue), and the best tl.dot split configs of session 20 and their neighbours, each with and
+# search "fma": _int8_fma_kernel's thin blocks (no tensor cores, one accumulator per row), unsplit or split
+# (atomic epilogue), and the best unaligned tl.dot split configs and their neighbours, each with and
 # without the K offsets' alignment told to the compiler ("-aligned")
 FMA_BLOCKS = [(1, 1024, 4), (2, 1024, 4), (2, 512, 4), (4, 512, 4), (4, 256, 4), (8, 256, 4), (2, 2048, 8),
               (4, 1024, 8), (8, 512, 8), (2, 256, 2), (4, 512, 8), (8, 128, 4)]
@@ -48,43 +48,47 @@ ALIGNED_DOT = [(32, 128, 4, 4), (32, 256, 4, 2), (32, 256, 4, 4), (64, 128, 4, 4
                (64, 64, 4, 4), (16, 256, 4, 4), (16, 128, 4, 8), (32, 128, 8, 4), (64, 128, 4, 2), (32, 128, 2, 4)]
 
 
-# session 21, second search: aligned dots only (the fma form lost 1.6-4x everywhere in the first), unsplit
+# search "aligned": aligned dots only (the fma form loses 1.6-4x on every 1B shape), unsplit
 # (SPLIT_K 1) and split, larger tiles, and Triton's num_stages
-DOT_S21B = [(32, 128, 4, 4), (32, 256, 4, 4), (32, 128, 4, 8), (32, 64, 4, 8), (64, 128, 4, 2), (64, 128, 4, 4),
+DOT_ALIGNED = [(32, 128, 4, 4), (32, 256, 4, 4), (32, 128, 4, 8), (32, 64, 4, 8), (64, 128, 4, 2), (64, 128, 4, 4),
             (64, 256, 4, 2), (128, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 4), (64, 64, 4, 8), (32, 128, 4, 16),
             (32, 64, 4, 16), (16, 128, 4, 16), (64, 128, 8, 4), (32, 256, 4, 8), (64, 128, 4, 1), (128, 128, 4, 1),
             (64, 256, 4, 1), (128, 128, 8, 1), (128, 256, 8, 1), (256, 128, 8, 1)]
-STAGES_S21B = ("", "-ns1", "-ns2", "-ns4")
+STAGES_ALIGNED = ("", "-ns1", "-ns2", "-ns4")
 
 
-def candidates_s21b(m: int, k: int) -> list[tuple]:
-    return [(*d, "atomic-aligned" + ns) for d in DOT_S21B for ns in STAGES_S21B if not k % (d[3] * d[1])] if m >= 3 else []
+def candidates_aligned(m: int, k: int) -> list[tuple]:
+    return [(*d, "atomic-aligned" + ns) for d in DOT_ALIGNED for ns in STAGES_ALIGNED
+            if not k % (d[3] * d[1])] if m >= 3 else []
 
 
-# session 21, third search (against the pins of the first two): the swapped dot with the K offsets aligned
-# (session 20 timed it unaligned), and more tiles and pipeline depths around the winners
-SWAP_S21C = [(bn, bk, w, s) for bn, bk, w in ((64, 128, 4), (64, 256, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4))
+# search "swap-aligned" (run against the pins the first two found): the swapped dot with the K offsets
+# aligned, and more tiles and pipeline depths around the winners
+SWAP_ALIGNED = [(bn, bk, w, s) for bn, bk, w in ((64, 128, 4), (64, 256, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4))
              for s in (1, 2, 4, 8)]
-DOT_S21C = [(32, 128, 4, 4), (32, 256, 4, 4), (64, 64, 4, 8), (32, 256, 4, 8), (32, 128, 4, 8), (64, 256, 4, 1),
+DOT_AROUND_PINS = [(32, 128, 4, 4), (32, 256, 4, 4), (64, 64, 4, 8), (32, 256, 4, 8), (32, 128, 4, 8), (64, 256, 4, 1),
             (64, 128, 4, 1), (64, 512, 4, 1), (128, 256, 8, 1), (64, 256, 8, 1), (64, 256, 4, 2), (32, 512, 4, 4),
             (32, 512, 4, 2), (32, 512, 4, 8)]
 
 
-def candidates_s21c(m: int, k: int) -> list[tuple]:
+def candidates_swap_aligned(m: int, k: int) -> list[tuple]:
     if m < 3:
         return []
-    return ([(*d, "atomic-swap-aligned") for d in SWAP_S21C if not k % (d[3] * d[1])]
-            + [(*d, "atomic-aligned" + ns) for d in DOT_S21C for ns in ("", "-ns1", "-ns2", "-ns3", "-ns5")
+    return ([(*d, "atomic-swap-aligned") for d in SWAP_ALIGNED if not k % (d[3] * d[1])]
+            + [(*d, "atomic-aligned" + ns) for d in DOT_AROUND_PINS for ns in ("", "-ns1", "-ns2", "-ns3", "-ns5")
                if not k % (d[3] * d[1])])
 
 
-def candidates_s21(m: int, k: int) -> list[tuple]:
-    """Session 21's configs for m rows and inner size k (those that divide k)."""
+def candidates_fma(m: int, k: int) -> list[tuple]:
+    """Search "fma": the configs for m rows and inner size k (those that divide k)."""
     out = [(bn, bk, w, s, "fma") for bn, bk, w in FMA_BLOCKS for s in (1, 2, 4) if not k % (s * bk)
            and (s < 4 or k >= 8192)]
     if m >= 3:
         out += [(*d, f) for d in ALIGNED_DOT for f in ("atomic", "atomic-aligned") if not k % (d[3] * d[1])]
     return out
+
+
+SEARCHES = {"fma": candidates_fma, "aligned": candidates_aligned, "swap-aligned": candidates_swap_aligned}
 
 
 def label_of(cfg: tuple) -> str:
@@ -142,11 +146,11 @@ class ColdWeights:
 
 
 def before_pins(spec: str) -> dict:
-    """The whole pin table of a "before": "session20" (app/int8_gemv.py's H200_1B_COLD and session 20's
-    split-K pins, the defaults until session 21), else H200_1B_COLD plus a pins file's configs."""
+    """The whole pin table of a "before": "unaligned" (app/int8_gemv.py's H200_1B_COLD and its split-K pins
+    without the K offsets' alignment), else H200_1B_COLD plus a pins file's configs."""
     from app import int8_gemv
 
-    if spec == "session20":
+    if spec == "unaligned":
         return {**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K_SESSION20}
     return {**int8_gemv.H200_1B_COLD, **read_pins(spec)}
 
@@ -207,10 +211,11 @@ def loop_steps(rows: list[int], reps: int = 5, variants: list[tuple[str, dict | 
     return out
 
 
-def search_s21(shapes: list[str], rows: list[int], full_rows: set[int], top: int, json_path: str,
-               deadline_s: float, which: str = "s21") -> list[list]:
-    """Session 21's config search: per shape and row count, the current pin (app/int8_gemv.pinned_config),
-    H200_1B_COLD's unsplit config where it differs, and candidates_s21, cold (ColdWeights); rows in
+def search(shapes: list[str], rows: list[int], full_rows: set[int], top: int, json_path: str,
+           deadline_s: float, which: str = "fma") -> list[list]:
+    """A config search (`which`: a candidate set of SEARCHES): per shape and row count, the current pin
+    (app/int8_gemv.pinned_config), H200_1B_COLD's unsplit config where it differs, and the set's
+    candidates, cold (ColdWeights); rows in
     `full_rows` try every candidate, the others only the shape's `top` best of the full rows. A candidate
     that fails to compile or to match the matmul is reported and never pinned. The best is pinned where it
     beats the current pin by more than 3 % (or where nothing is pinned: there Triton autotunes hot).
@@ -232,7 +237,7 @@ def search_s21(shapes: list[str], rows: list[int], full_rows: set[int], top: int
             base = [("current", current)] if current else []
             if int8_gemv.H200_1B_COLD.get((n, k, m)) not in (None, current):
                 base.append(("unsplit", int8_gemv.H200_1B_COLD[(n, k, m)]))
-            pick = {"s21": candidates_s21, "s21b": candidates_s21b, "s21c": candidates_s21c}[which]
+            pick = SEARCHES[which]
             cands = {label_of(c): c for c in pick(m, k)}
             if m not in full_rows and ranked:
                 cands = {lb: cands[lb] for lb in ranked[:top] if lb in cands}
@@ -282,11 +287,12 @@ def main() -> None:
                     help="instead: the draft's loop step at these row counts, split-K pins off and on")
     ap.add_argument("--pins", default="", help="--loop-steps, --search: load these pins first (bench.gpu_draft_step "
                                                "--pins; with --before or --search: comma-separated files)")
-    ap.add_argument("--before", default="", metavar="session20|PATH",
+    ap.add_argument("--before", default="", metavar="unaligned|PATH",
                     help="--loop-steps: time this pin table (before_pins) against the defaults (and the defaults "
                          "plus --pins) instead of split-K off / on")
-    ap.add_argument("--search", default="", choices=["", "s21", "s21b", "s21c"],
-                    help="session 21's candidates (search_s21): s21 the first set, s21b the second, s21c the third")
+    ap.add_argument("--search", default="", choices=["", *SEARCHES],
+                    help="a config search against the current pins: fma (the fma form and aligned dots), "
+                         "aligned (aligned dots, larger tiles, num_stages), swap-aligned (the swapped dot, aligned)")
     ap.add_argument("--full-rows", default="5", help="--search: rows that try every candidate")
     ap.add_argument("--top", type=int, default=10, help="--search: other rows try the full rows' best this many")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="--search: stop starting rows after this long")
@@ -296,7 +302,7 @@ def main() -> None:
         if args.pins:  # "current" is then the defaults plus these pins
             from app import int8_gemv
             int8_gemv.pin(read_pins(args.pins))
-        pins = search_s21(args.shapes.split(","), [int(r) for r in args.rows.split(",")],
+        pins = search(args.shapes.split(","), [int(r) for r in args.rows.split(",")],
                           {int(r) for r in args.full_rows.split(",")}, args.top, args.json, args.deadline_s,
                           args.search)
         print("pins " + json.dumps(pins), flush=True)

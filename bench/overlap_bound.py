@@ -13,9 +13,9 @@ asks what-if questions of the same chain that the implemented loop does not do:
   draft step costing `branch_step_extra` ms more for the extra rows (0: branches free, tree
   drafting's upper bound).
 
-Usage: `python -m bench.overlap_bound [gpu-json]` with a `bench.gpu` result file (default: the
-session-8 int8 run); prints, per alpha, the best sequential one-graph pass, the implemented
-overlapped loop, its ceiling, the what-ifs, and the branch hit rate 1.3x over sequential needs
+Usage: `python -m bench.overlap_bound [gpu-json]` with a `bench.gpu` result file (default:
+bench/results/gpu-h200x2-int8.json, a two-H200 int8 run); prints, per alpha, the best sequential
+one-graph pass, the implemented overlapped loop, its ceiling, the what-ifs, and the branch hit rate 1.3x over sequential needs
 (with the draft at its measured cost and the branch rows priced per draft step).
 Pure Python; no GPU.
 """
@@ -64,7 +64,7 @@ def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: Pas
     """Expected ms per output token of the overlapped loop's rules (`speculative_generate`,
     `predicted_tokens_per_second`), solved as a Markov chain over the ready count.
 
-    `branch_rows=None`: the what-if of session 10, a branch from the right correction is there with
+    `branch_rows=None`: the what-if, a branch from the right correction is there with
     probability `branch_hit` after any rejection and is as deep as the chain would have been.
     `branch_rows=B`: the loop as built (app/fast_branches.branching_generate): at most B branches a
     pass, one per judged index i < min(p + 1, ready) from the pass's start, plus the bonus index p
