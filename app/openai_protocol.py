@@ -1,6 +1,19 @@
 """OpenAI-compatible request/response schemas with specserve's extension fields.
 
-Extensions in the request body (ignored by nothing: unknown fields are refused):
+Every field of a request is one of:
+  - implemented: typed, range-checked and used (see `_Request` and its two subclasses);
+  - refused by name: a field the server does not implement set to anything but null or a value
+    that asks for nothing (its default) gets a 400 whose `param` names it. Known fields the engine
+    does not implement yet are listed in NOT_SUPPORTED_YET ("not supported yet"), fields this
+    server has no plan for (tools, audio, ...) in NOT_SUPPORTED, and any other key (one no OpenAI
+    API has, or one of the other endpoint's) is refused as unknown (`extra="forbid"`), nested
+    objects (messages, stream_options, response_format) included;
+  - accepted without effect on the output: identifiers OpenAI uses only for abuse monitoring,
+    caching or its dashboard (`user`, `metadata`, `prompt_cache_key`, `safety_identifier`).
+A null is the same as leaving the field out (except for the required `model`, `prompt`,
+`messages`), so clients that send nulls or defaults keep working.
+
+Extensions in the request body:
   speculation: "auto" | "on" | "off"   — "auto" lets the router's policy decide
   num_speculative_tokens: int           — depth when speculating (forces "on" under "auto")
   return_provenance: bool               — stream chunks carry per-token origin (playground)
@@ -9,23 +22,110 @@ The response's `usage.speculation` says what was done and why.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from app.config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpeculationMode
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
+# The message of a 400 for a key the request model does not declare (pydantic's "extra_forbidden").
+UNKNOWN_FIELD = "this server does not implement this field (see /docs for the fields each endpoint takes)"
 
 
-class _Request(BaseModel):
-    # Unknown fields are ignored like OpenAI does (clients send e.g. `user`, `logprobs: null`),
-    # but every field we read is typed and range-checked.
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    """Unknown keys are refused; a null is the same as leaving an optional field out."""
 
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or (k in fields and fields[k].is_required())}
+        return data
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("`json_schema` is required with type 'json_schema' and allowed with no other type")
+        return self
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI's padding of stream events; nothing to pad here
+
+
+# Known request fields the engine does not implement yet: each is refused by name ("not supported
+# yet") unless null or one of the values listed, which ask for nothing (compared with their type:
+# completions' `logprobs: 0` asks for the chosen token's logprob, chat's `logprobs: false` does not).
+# Turning one on is deleting its line here and reading the field in `_Request.sampling()`.
+NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "min_p": (0.0,),
+    "stop_token_ids": ([],),
+    "response_format": (ResponseFormat(type="text"),),
+}
+
+# Fields of OpenAI's APIs this server does not implement and has no plan for: refused by name
+# unless null or one of the values listed (which ask for nothing), with the reason given.
+NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": (([],), "tool calling is not supported by this server"),
+    "tool_choice": (("none", "auto"), "tool calling is not supported by this server"),
+    "parallel_tool_calls": ((True, False), "tool calling is not supported by this server"),
+    "functions": (([],), "function calling is not supported by this server"),
+    "function_call": (("none", "auto"), "function calling is not supported by this server"),
+    "audio": ((), "audio output is not supported by this server (text only)"),
+    "modalities": ((["text"],), "this server generates text only"),
+    "prediction": ((), "predicted outputs are not supported by this server"),
+    "reasoning_effort": ((), "the served model is not a reasoning model"),
+    "verbosity": (("medium",), "the served model has no verbosity control"),
+    "web_search_options": ((), "web search is not supported by this server"),
+    "store": ((False,), "this server does not store completions"),
+    "service_tier": (("auto", "default"), "this server has one service tier"),
+    "suffix": (("",), "suffix (text inserted after the completion) is not supported by this server"),
+}
+
+
+def _asks_for_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _shown(neutral: tuple[Any, ...], sent: Any) -> str:
+    """" or <value>" for each neutral value, the booleans only when a boolean was sent (chat's
+    `logprobs: false` is no hint for completions' integer `logprobs`)."""
+    def one(v: Any) -> str:
+        return json.dumps(v.model_dump(exclude_none=True) if isinstance(v, BaseModel) else v)
+
+    return "".join(f" or {one(n)}" for n in neutral if not isinstance(n, bool) or isinstance(sent, bool))
+
+
+class _Request(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -34,12 +134,39 @@ class _Request(BaseModel):
     top_k: int = Field(0, ge=0, le=1_000_000)
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     ignore_eos: bool = False
+    # accepted without effect on the output (OpenAI uses it for abuse monitoring only)
+    user: str | None = Field(None, max_length=512)
+    # not supported yet (NOT_SUPPORTED_YET): typed and range-checked already
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
+    min_tokens: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    response_format: ResponseFormat | None = None
+    # specserve's extensions
     speculation: SpeculationMode = "auto"
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     return_provenance: bool = False
+
+    @field_validator("*")
+    @classmethod
+    def _refuse_unimplemented(cls, v: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if name in NOT_SUPPORTED_YET and not _asks_for_nothing(v, NOT_SUPPORTED_YET[name]):
+            raise PydanticCustomError(
+                "not_supported_yet", "not supported yet (the engine does not implement it yet); leave it out "
+                "or send null{neutral}", {"neutral": _shown(NOT_SUPPORTED_YET[name], v)})
+        if name in NOT_SUPPORTED and not _asks_for_nothing(v, NOT_SUPPORTED[name][0]):
+            neutral, reason = NOT_SUPPORTED[name]
+            raise PydanticCustomError("not_supported", "{reason}; leave it out or send null{neutral}",
+                                      {"reason": reason, "neutral": _shown(neutral, v)})
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +193,8 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] = Field(..., description="text, or token ids")
+    logprobs: int | None = Field(None, ge=0, le=20)  # NOT_SUPPORTED_YET
+    suffix: str | None = None  # NOT_SUPPORTED unless empty
 
     @field_validator("prompt")
     @classmethod
@@ -75,14 +204,33 @@ class CompletionRequest(_Request):
         return v
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
     content: str
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
+    logprobs: bool | None = None  # NOT_SUPPORTED_YET
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # NOT_SUPPORTED_YET
+    # NOT_SUPPORTED: refused unless null or a value that asks for nothing
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    service_tier: Any = None
+    # accepted without effect on the output (OpenAI's dashboard, prompt caching, abuse monitoring)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    prompt_cache_key: str | None = Field(None, max_length=512)
+    safety_identifier: str | None = Field(None, max_length=512)
 
 
 class SpeculationUsage(BaseModel):

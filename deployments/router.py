@@ -23,7 +23,7 @@ from app.config import AppConfig
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import load_tokenizer
 from app.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response,
+    UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response,
     completion_chunk, completion_response, error_body, new_id,
 )
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
@@ -221,7 +221,7 @@ class Router:
             errors = e.errors()
             err = errors[0]
             param = _param(err.get("loc", ()))
-            msg = str(err.get("msg"))
+            msg = UNKNOWN_FIELD if err.get("type") == "extra_forbidden" else str(err.get("msg"))
             if param and len(err.get("loc", ())) > param.count(".") + 1:  # a union: what each member wanted
                 n = param.count(".") + 1
                 msg = "; ".join(f"as {'.'.join(map(str, x['loc'][n:]))}: {x['msg']}"

@@ -106,3 +106,31 @@ def test_errors_map_to_client_exceptions(client) -> None:
     assert spec.value.param == "num_speculative_tokens"
     with pytest.raises(openai.BadRequestError):  # raised before any byte of the stream
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=4, stream=True)
+
+
+def test_unimplemented_fields_are_refused_by_name(client) -> None:
+    """Issue 48: never a 200 that ignores what was asked; the error's `param` names the field."""
+    refused = [
+        (client.chat.completions.create, {"messages": MESSAGES, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+        (client.chat.completions.create, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, "logprobs"),
+        (client.chat.completions.create, {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+         "response_format"),
+        (client.completions.create, {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+        (client.completions.create, {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+        (client.completions.create, {"prompt": PROMPT, "extra_body": {"guided_json": {"type": "object"}}},
+         "guided_json"),
+    ]
+    for create, kwargs, param in refused:
+        with pytest.raises(openai.BadRequestError) as bad:
+            create(model=MODEL, max_tokens=4, **kwargs)
+        assert bad.value.param == param and bad.value.type == "invalid_request_error", (param, bad.value.body)
+
+
+def test_defaults_of_unimplemented_fields_keep_working(client) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                         logprobs=False, presence_penalty=0, frequency_penalty=0, logit_bias={},
+                                         response_format={"type": "text"}, tool_choice="none", user="user-1",
+                                         store=False, extra_body={"tools": None})
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content == plain.choices[0].message.content

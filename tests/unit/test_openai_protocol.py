@@ -1,0 +1,150 @@
+"""The OpenAI request models (app/openai_protocol.py): every field is implemented, or refused by
+name when set to anything but null or a value that asks for nothing — never silently ignored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from app.openai_protocol import (
+    NOT_SUPPORTED, NOT_SUPPORTED_YET, ChatCompletionRequest, CompletionRequest, ResponseFormat,
+)
+
+COMPLETION: dict[str, Any] = {"model": "m", "prompt": "def f():\n"}
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({**COMPLETION, **fields})
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({**CHAT, **fields})
+
+
+def refusal(make, **fields: Any) -> dict[str, Any]:
+    """The first validation error of a refused request (the router answers with it)."""
+    with pytest.raises(ValidationError) as e:
+        make(**fields)
+    return e.value.errors()[0]
+
+
+# ---- refused by name ------------------------------------------------------------------------------
+NOT_YET_CASES: list[tuple[Any, str, Any]] = [
+    (completion, "logprobs", 0),  # completions' 0 asks for the chosen token's logprob
+    (completion, "logprobs", 5),
+    (chat, "logprobs", True),
+    (chat, "top_logprobs", 3),
+    (completion, "presence_penalty", 0.5),
+    (chat, "frequency_penalty", -1.0),
+    (completion, "repetition_penalty", 1.2),
+    (chat, "logit_bias", {"42": -100}),
+    (completion, "min_tokens", 4),
+    (completion, "min_p", 0.1),
+    (completion, "stop_token_ids", [7]),
+    (chat, "response_format", {"type": "json_object"}),
+    (chat, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+]
+
+
+@pytest.mark.parametrize(("make", "name", "value"), NOT_YET_CASES,
+                         ids=[f"{m.__name__}-{n}-{v}" for m, n, v in NOT_YET_CASES])
+def test_not_supported_yet_is_refused_by_name(make, name: str, value: Any) -> None:
+    err = refusal(make, **{name: value})
+    assert err["loc"] == (name,) and err["type"] == "not_supported_yet", err
+    assert err["msg"].startswith("not supported yet"), err
+
+
+NOT_SUPPORTED_CASES: list[tuple[Any, str, Any]] = [
+    (chat, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    (chat, "tool_choice", "required"),
+    (chat, "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    (chat, "functions", [{"name": "f"}]),
+    (chat, "function_call", {"name": "f"}),
+    (chat, "audio", {"voice": "alloy", "format": "wav"}),
+    (chat, "modalities", ["text", "audio"]),
+    (chat, "prediction", {"type": "content", "content": "x"}),
+    (chat, "reasoning_effort", "low"),
+    (chat, "web_search_options", {}),
+    (chat, "store", True),
+    (chat, "service_tier", "flex"),
+    (completion, "suffix", "\n    return x\n"),
+]
+
+
+@pytest.mark.parametrize(("make", "name", "value"), NOT_SUPPORTED_CASES,
+                         ids=[f"{m.__name__}-{n}-{i}" for i, (m, n, _v) in enumerate(NOT_SUPPORTED_CASES)])
+def test_unimplemented_openai_fields_are_refused_by_name(make, name: str, value: Any) -> None:
+    err = refusal(make, **{name: value})
+    assert err["loc"] == (name,) and err["type"] == "not_supported", err
+    assert NOT_SUPPORTED[name][1] in err["msg"]
+
+
+@pytest.mark.parametrize(("make", "name"), [
+    (completion, "guided_json"), (completion, "best_of_n"), (chat, "echo"), (chat, "suffix"),
+    (completion, "tools"), (completion, "top_logprobs"), (chat, "prompt"),
+])
+def test_unknown_keys_are_refused_by_name(make, name: str) -> None:
+    err = refusal(make, **{name: 1})
+    assert err["loc"] == (name,) and err["type"] == "extra_forbidden", err
+
+
+def test_nested_unknown_keys_are_refused_with_their_path() -> None:
+    err = refusal(chat, messages=[{"role": "user", "content": "hi", "name": "bob"}])
+    assert err["loc"] == ("messages", 0, "name") and err["type"] == "extra_forbidden"
+    err = refusal(chat, messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}])
+    assert err["loc"] == ("messages", 0, "tool_calls")
+    err = refusal(completion, stream=True, stream_options={"continuous_usage_stats": True})
+    assert err["loc"] == ("stream_options", "continuous_usage_stats")
+
+
+def test_refusal_message_names_what_is_accepted() -> None:
+    assert refusal(completion, presence_penalty=1.0)["msg"].endswith("send null or 0.0")
+    assert refusal(chat, tool_choice="required")["msg"].endswith('send null or "none" or "auto"')
+    assert refusal(chat, logprobs=True)["msg"].endswith("send null or false")
+    assert refusal(completion, logprobs=2)["msg"].endswith("send null")  # no boolean hint for an int field
+    assert refusal(chat, response_format={"type": "json_object"})["msg"].endswith('send null or {"type": "text"}')
+
+
+def test_values_are_type_checked_before_the_refusal() -> None:
+    """Out-of-range or ill-typed values get the usual error, so turning a field on later keeps them."""
+    assert refusal(completion, presence_penalty=3.0)["type"] == "less_than_equal"
+    assert refusal(completion, logit_bias={"x": 1})["loc"][0] == "logit_bias"
+    assert refusal(completion, logit_bias={"3": 101})["type"] == "less_than_equal"
+    assert refusal(chat, response_format={"type": "xml"})["loc"][:2] == ("response_format", "type")
+    assert refusal(chat, response_format={"type": "json_schema"})["loc"] == ("response_format",)
+    assert refusal(chat, top_logprobs=21)["type"] == "less_than_equal"
+
+
+# ---- nulls and defaults keep working ------------------------------------------------------------
+def test_nulls_are_accepted_everywhere_but_required_fields() -> None:
+    optional_c = [n for n, f in CompletionRequest.model_fields.items() if not f.is_required()]
+    optional_ch = [n for n, f in ChatCompletionRequest.model_fields.items() if not f.is_required()]
+    assert completion(**dict.fromkeys(optional_c)) == completion()
+    assert chat(**dict.fromkeys(optional_ch)) == chat()
+    assert chat(messages=[{"role": "user", "content": "hi", "name": None, "tool_calls": None}]) == chat()
+    assert completion(whatever_unknown=None) == completion()  # null asks for nothing, known or not
+    for make, required in ((completion, "prompt"), (completion, "model"), (chat, "messages")):
+        assert refusal(make, **{required: None})["loc"][0] == required
+
+
+def test_defaults_sent_explicitly_are_accepted() -> None:
+    defaults = dict(logprobs=False, top_logprobs=0, presence_penalty=0, frequency_penalty=0.0,
+                    repetition_penalty=1.0, logit_bias={}, min_tokens=0, min_p=0.0, stop_token_ids=[],
+                    response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=True,
+                    functions=[], function_call="auto", modalities=["text"], store=False, service_tier="auto",
+                    verbosity="medium", user="user-1", metadata={"k": "v"}, prompt_cache_key="k",
+                    safety_identifier="s", stream_options={"include_usage": False})
+    out = chat(**defaults)
+    assert out.sampling(16) == chat().sampling(16)
+    assert completion(suffix="", presence_penalty=0.0, user="u").sampling(16) == completion().sampling(16)
+
+
+def test_tables_name_declared_fields() -> None:
+    """Every field in the refusal tables is declared (typed) by a request model."""
+    declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert set(NOT_SUPPORTED_YET) <= declared
+    assert set(NOT_SUPPORTED) <= declared
+    assert NOT_SUPPORTED_YET["response_format"] == (ResponseFormat(type="text"),)
