@@ -35,6 +35,10 @@ from typing import Literal, Protocol, Sequence
 MetricKind = Literal["counter", "histogram", "gauge"]
 
 RAY_EXPORT_PREFIX = "ray_"
+# Labels every specserve metric carries besides its own (vLLM labels its series with model_name):
+# `deployments.metrics_ray.ServeMetrics(model_name=...)` sets them as default tags.
+COMMON_LABELS: tuple[str, ...] = ("model_name",)
+UNKNOWN_MODEL = "unknown"  # model_name of a ServeMetrics created without one
 # Labels Ray Serve adds to every metric recorded inside a replica; user metrics may not declare them.
 SERVE_AUTO_LABELS: tuple[str, ...] = ("deployment", "replica", "application")
 
@@ -47,6 +51,8 @@ MAX_LABEL_VALUE_LEN = 64
 # `decision` label values; use decision_label(speculate) so the router and dashboards agree.
 DECISIONS: tuple[str, ...] = ("speculate", "plain")
 # Reasons app.policy emits today (its `Reason` literal); any short identifier is accepted.
+# `finished_reason` of REQUEST_SUCCESS: the engine's (stop, length) and abort (client gone), as vLLM.
+FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 KNOWN_REASONS: tuple[str, ...] = (
     "low_load_long_output", "high_load", "short_output", "low_acceptance", "prefill_cost",
     "stale_load", "no_draft", "forced_on", "forced_off",
@@ -71,6 +77,11 @@ class MetricDef:
         """Name of the series on Ray's /metrics (histograms: the base of _bucket/_sum/_count)."""
         return RAY_EXPORT_PREFIX + self.name
 
+    @property
+    def tag_keys(self) -> tuple[str, ...]:
+        """Every label the metric is declared with: COMMON_LABELS, then its own."""
+        return COMMON_LABELS + self.labels
+
     def series(self, suffix: Literal["bucket", "sum", "count"]) -> str:
         if self.kind != "histogram":
             raise ValueError(f"{self.name} is a {self.kind}, it has no _{suffix} series")
@@ -92,6 +103,16 @@ TTFT_BUCKETS: tuple[float, ...] = (
 TPOT_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)
+# End to end and queue time (seconds): vLLM's range (to 7680 s) cut at the longest request timeout
+# a config here allows (300 s), extended below 0.3 s for the CPU pair's short requests.
+E2E_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+)
+QUEUE_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0,
 )
 STEP_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
@@ -135,9 +156,54 @@ KV_CACHED_TOKENS = MetricDef(
 KV_CACHED_SEQUENCES = MetricDef(
     "specserve_kv_cached_sequences", "gauge", "Sequences with a KV cache on the replica.")
 
+# ---- request-level metrics (vLLM's meaning, `specserve_` prefix). Router side:
+PROMPT_TOKENS = MetricDef(
+    "specserve_prompt_tokens_total", "counter",
+    "Prompt tokens of requests that started generating (counted once per request when its first "
+    "token arrives; a failover's re-prefill of prompt + streamed tokens is not counted again).")
+GENERATION_TOKENS = MetricDef(
+    "specserve_generation_tokens_total", "counter", "Generated tokens streamed to clients.")
+E2E_LATENCY = MetricDef(
+    "specserve_e2e_request_latency_seconds", "histogram",
+    "Time from a request's arrival at the router to its last token (finished requests: stop or length).",
+    (), E2E_BUCKETS)
+ITL = MetricDef(
+    "specserve_inter_token_latency_seconds", "histogram",
+    "Time between consecutive token-carrying chunks of one request (a chunk carries every token one "
+    "engine step produced for it: several when drafts are accepted).", (), TPOT_BUCKETS)
+REQUEST_SUCCESS = MetricDef(
+    "specserve_request_success_total", "counter",
+    "Requests that ended, by finished_reason: stop, length (the engine finished them) or abort "
+    "(the client went away or cancelled).", ("finished_reason",))
+REQUEST_ERRORS = MetricDef(
+    "specserve_request_errors_total", "counter",
+    "Requests answered with an error, by HTTP status (a stream's error event counts with the status "
+    "its error carries).", ("status",))
+FAILOVERS = MetricDef(
+    "specserve_router_failovers_total", "counter",
+    "Target replica failures survived by re-issuing the request to another target replica.")
+# Target replica side (recorded by TargetServer):
+QUEUE_TIME = MetricDef(
+    "specserve_request_queue_time_seconds", "histogram",
+    "Time a request waited on a target replica before joining its running batch.", (), QUEUE_BUCKETS)
+KV_USAGE = MetricDef(
+    "specserve_kv_cache_usage_perc", "gauge",
+    "KV-cache usage of the replica: cached tokens / engine.limits.max_cached_tokens (1 means 100 percent).")
+DRAFT_MISSES = MetricDef(
+    "specserve_draft_cache_misses_total", "counter",
+    "Sequences a draft replica answered 'miss' for (it did not hold their draft cache) and rebuilt by prefill.")
+PLAIN_NO_DRAFT = MetricDef(
+    "specserve_plain_steps_no_draft_total", "counter",
+    "Engine steps decoded plainly because no draft replica answered (draft down: 'decoding plainly').")
+
+ROUTER_REQUEST_METRICS: tuple[MetricDef, ...] = (
+    PROMPT_TOKENS, GENERATION_TOKENS, E2E_LATENCY, ITL, REQUEST_SUCCESS, REQUEST_ERRORS, FAILOVERS)
+TARGET_REQUEST_METRICS: tuple[MetricDef, ...] = (QUEUE_TIME, KV_USAGE, DRAFT_MISSES, PLAIN_NO_DRAFT)
+
 ALL_METRICS: tuple[MetricDef, ...] = (
     NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS, NUM_ACCEPTED_PER_POS, ROUTER_DECISIONS,
     STEP_MODES, TTFT, TPOT, STEP_TIME, RUNNING_SEQUENCES, QUEUE_LENGTH, KV_CACHED_TOKENS, KV_CACHED_SEQUENCES,
+    *ROUTER_REQUEST_METRICS, *TARGET_REQUEST_METRICS,
 )
 
 # Ray Serve's own series (verified present on Ray 2.60's /metrics), used by the dashboard.
@@ -178,6 +244,15 @@ def histogram_quantile_promql(metric: MetricDef, q: float, window: str = "1m",
     keys = ", ".join(("le", *by))
     return (f"histogram_quantile({q}, sum by ({keys}) "
             f"(rate({metric.series('bucket')}{_sel(selector)}[{window}])))")
+
+
+def error_ratio_promql(window: str = "5m", selector: str = "") -> str:
+    """Share of requests answered with a 5xx (of those that ended: finished or failed)."""
+    sel = f"{selector}, " if selector else ""
+    errors = f"(sum(rate({REQUEST_ERRORS.exported}{{{sel}status=~\"5..\"}}[{window}])) or vector(0))"
+    ended = (f"(sum(rate({REQUEST_SUCCESS.exported}{_sel(selector)}[{window}])) or vector(0))"
+             f" + (sum(rate({REQUEST_ERRORS.exported}{_sel(selector)}[{window}])) or vector(0))")
+    return f"{errors} / ({ended})"
 
 
 ACCEPTANCE_RATE_PROMQL = acceptance_rate_promql()
@@ -230,6 +305,24 @@ def check_step_mode(mode: str) -> str:
     return mode
 
 
+def check_finished_reason(reason: str) -> str:
+    if reason not in FINISHED_REASONS:
+        raise ValueError(f"unknown finished_reason {reason!r}; expected one of {FINISHED_REASONS}")
+    return reason
+
+
+def check_status(status: int) -> str:
+    if not 400 <= status <= 599:
+        raise ValueError(f"error status must be 4xx or 5xx, got {status}")
+    return str(status)
+
+
+def check_fraction(value: float, what: str) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{what} must lie in [0, 1], got {value}")
+    return value
+
+
 class MetricsRecorder(Protocol):
     """What app/ code calls; `deployments.metrics_ray.ServeMetrics` implements it over Ray."""
 
@@ -247,6 +340,15 @@ class MetricsRecorder(Protocol):
     def record_step_mode(self, mode: str) -> None: ...
 
     def set_load(self, running: int, queue: int, kv_tokens: int, kv_seqs: int) -> None: ...
+
+    # target replica, per request / per step (issue 51)
+    def observe_queue_time(self, seconds: float) -> None: ...
+
+    def set_kv_usage(self, fraction: float) -> None: ...
+
+    def record_draft_misses(self, sequences: int) -> None: ...
+
+    def record_plain_no_draft_step(self) -> None: ...
 
 
 class NullMetrics:
@@ -274,6 +376,18 @@ class NullMetrics:
     def set_load(self, running: int, queue: int, kv_tokens: int, kv_seqs: int) -> None:
         return None
 
+    def observe_queue_time(self, seconds: float) -> None:
+        return None
+
+    def set_kv_usage(self, fraction: float) -> None:
+        return None
+
+    def record_draft_misses(self, sequences: int) -> None:
+        return None
+
+    def record_plain_no_draft_step(self) -> None:
+        return None
+
 
 class InMemoryMetrics:
     """Same validation as ServeMetrics, kept in plain Python: for unit tests and benchmarks."""
@@ -289,6 +403,10 @@ class InMemoryMetrics:
         self.steps: dict[str, list[float]] = {k: [] for k in STEP_KINDS}
         self.step_modes: _Tally[str] = _Tally()
         self.load: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self.queue_times: list[float] = []
+        self.kv_usage = 0.0
+        self.draft_misses = 0
+        self.plain_no_draft_steps = 0
 
     def record_step(self, drafted: int, accepted: int, num_drafts: int,
                     accepted_per_pos: Sequence[int] = ()) -> None:
@@ -317,6 +435,20 @@ class InMemoryMetrics:
 
     def set_load(self, running: int, queue: int, kv_tokens: int, kv_seqs: int) -> None:
         self.load = (running, queue, kv_tokens, kv_seqs)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_times.append(seconds)
+
+    def set_kv_usage(self, fraction: float) -> None:
+        self.kv_usage = check_fraction(fraction, "KV usage")
+
+    def record_draft_misses(self, sequences: int) -> None:
+        if sequences < 0:
+            raise ValueError("draft misses must be >= 0")
+        self.draft_misses += sequences
+
+    def record_plain_no_draft_step(self) -> None:
+        self.plain_no_draft_steps += 1
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -61,6 +61,9 @@ class RequestRun:
         self.started = time.monotonic()
         self.deadline = self.started + request.timeout_s
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished = False  # a chunk with a finish reason arrived
+        self.failed = False  # ended by a RequestError (the router counts it as an error)
         self.replica = ""  # the target replica that streamed the last chunk
         self._stream: AsyncIterator[GenerateChunk] | None = None
         self._response = None
@@ -107,7 +110,12 @@ class RequestRun:
                     yield chunk
                     if chunk.finish_reason is not None:
                         break
+        except RequestError:
+            self.failed = True
+            raise
         finally:
+            if not self.finished and not self.failed:
+                self.router.metrics.record_finished("abort")  # the client went away / cancelled
             self.router.in_flight -= 1
             self.router.active_runs.discard(self)
             self._cancel()  # client gone or done: the target frees the sequence
@@ -151,6 +159,7 @@ class RequestRun:
                 # mid-stream; RayTaskError when its engine failed the step
                 failures += 1
                 self.router.failovers += 1
+                self.router.metrics.record_failover()
                 log.warning("target replica failed mid-request (%s); re-issuing with %d streamed tokens",
                             type(e).__name__, len(self.tokens))
                 if failures > MAX_FAILOVERS:
@@ -161,14 +170,26 @@ class RequestRun:
                 stream = None
 
     def _account(self, chunk: GenerateChunk) -> None:
-        if chunk.token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-            self.router.metrics.observe_ttft(self.first_token_at - self.started)
+        metrics = self.router.metrics
+        if chunk.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                metrics.observe_ttft(now - self.started)
+                metrics.record_prompt_tokens(len(self.request.prompt_ids))
+            else:
+                metrics.observe_itl(now - self.last_token_at)
+            self.last_token_at = now
+            metrics.record_generation_tokens(len(chunk.token_ids))
         self.tokens += chunk.token_ids
         self.replica = chunk.replica or self.replica
         self.stats.record(chunk.drafted, chunk.accepted)
         if chunk.drafted:
             self.router.policy.observe_verification(self.prompt_class, chunk.drafted, chunk.accepted)
+        if chunk.finish_reason is not None and not self.finished:
+            self.finished = True
+            metrics.observe_e2e(time.monotonic() - self.started)
+            metrics.record_finished(chunk.finish_reason)
         if chunk.finish_reason in ("stop", "length"):
             self.router.policy.observe_finished(self.prompt_class, len(self.tokens), chunk.finish_reason)
             if self.first_token_at is not None and len(self.tokens) > 1:

@@ -95,7 +95,7 @@ class Router:
         self.max_context = cfg.max_context or int(getattr(self.tokenizer, "model_max_length", 2048))
         self.has_draft = self.config.engine.draft is not None or self.config.engine.speculation.proposer == "ngram"
         self.policy = SpeculationPolicy(self.config.policy)
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(model_name=self.config.model_name)
         self.in_flight = 0
         self.failovers = 0  # target replica failures survived by re-issuing (RequestRun)
         self.active_runs: set[RequestRun] = set()
@@ -122,11 +122,17 @@ class Router:
 
     @fastapi_app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(self, request: Request):
-        return await self._handle(request, chat=False)
+        return self._count_error(await self._handle(request, chat=False))
 
     @fastapi_app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request):
-        return await self._handle(request, chat=True)
+        return self._count_error(await self._handle(request, chat=True))
+
+    def _count_error(self, response):
+        """specserve_request_errors_total{status} for a request answered with a 4xx/5xx."""
+        if getattr(response, "status_code", 200) >= 400:
+            self.metrics.record_error(response.status_code)
+        return response
 
     async def reliability_state(self) -> dict[str, Any]:
         """For tests and bench/soak.py (via a handle): in-flight requests per target replica.
@@ -298,8 +304,10 @@ class Router:
                                      "usage": run.usage().model_dump()}
             yield f"data: {json.dumps(final)}\n\n"
         except RequestError as e:
+            self.metrics.record_error(e.status)
             yield f"data: {json.dumps(error_body(e.message, e.type_, e.param, e.code))}\n\n"
         except Exception as e:  # noqa: BLE001 — headers are sent: end the stream with an error event
+            self.metrics.record_error(500)
             log.exception("stream failed")
             yield f"data: {json.dumps(error_body(f'internal error: {type(e).__name__}', 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"

@@ -86,8 +86,46 @@ def _by_replica(metric: m.MetricDef) -> str:
     return f"sum by (deployment, replica) ({metric.exported}{{{APP}}})"
 
 
+def _rate_by(metric: m.MetricDef, by: str = "") -> str:
+    grouping = f" by ({by})" if by else ""
+    return f"sum{grouping} (rate({metric.exported}{{{APP}}}[{WINDOW}]))"
+
+
+def _quantiles(metric: m.MetricDef) -> list[tuple[str, str]]:
+    return [(m.histogram_quantile_promql(metric, q, WINDOW, APP), f"p{round(q * 100)}") for q in (0.5, 0.99)]
+
+
 def build_panels() -> list[Panel]:
     lay = _Layout()
+    lay.row("Throughput")
+    lay.add(timeseries(
+        "Requests by finish reason", [(_rate_by(m.REQUEST_SUCCESS, "finished_reason"), "{{finished_reason}}")],
+        unit="reqps", stacked=True,
+        description="requests ended per second: stop / length (the engine finished them), abort (client gone)"),
+        w=8)
+    lay.add(timeseries(
+        "Tokens per second", [(_rate_by(m.GENERATION_TOKENS), "generated"), (_rate_by(m.PROMPT_TOKENS), "prompt")],
+        unit="short", description="generated tokens streamed to clients, and prompt tokens of requests that "
+                                  "started generating, per second"), w=8)
+    lay.add(timeseries(
+        "Generated tokens per second by model", [(_rate_by(m.GENERATION_TOKENS, "model_name"), "{{model_name}}")],
+        unit="short", stacked=True), w=8)
+
+    lay.row("Errors")
+    lay.add(timeseries(
+        "Errors by status", [(_rate_by(m.REQUEST_ERRORS, "status"), "{{status}}")], unit="reqps", stacked=True,
+        description="requests answered with a 4xx/5xx per second (429/503: overloaded, 504: deadline)"), w=8)
+    lay.add(timeseries(
+        "5xx error ratio", [(m.error_ratio_promql(WINDOW, APP), "5xx / ended")], unit="percentunit",
+        minmax=(0, 1), description="5xx answers / (finished + failed requests)"), w=8)
+    lay.add(timeseries(
+        "Failovers, draft misses, plain steps (draft down)",
+        [(_rate_by(m.FAILOVERS), "target failovers"), (_rate_by(m.DRAFT_MISSES), "draft cache misses"),
+         (_rate_by(m.PLAIN_NO_DRAFT), "plain steps: no draft")],
+        unit="short", description="per second: requests re-issued after a target replica failed; sequences "
+                                  "a draft replica rebuilt by prefill; engine steps decoded plainly because "
+                                  "no draft replica answered"), w=8)
+
     lay.row("Speculation")
     lay.add(timeseries(
         "Acceptance rate", [(m.acceptance_rate_promql(WINDOW, APP), "acceptance rate")],
@@ -121,10 +159,10 @@ def build_panels() -> list[Panel]:
         description="Ray Serve's own series: healthy replicas and the autoscaler's target"), w=8)
 
     lay.row("Latency")
-    for metric, title in ((m.TTFT, "Time to first token"), (m.TPOT, "Time per output token")):
-        lay.add(timeseries(title, [
-            (m.histogram_quantile_promql(metric, 0.5, WINDOW, APP), "p50"),
-            (m.histogram_quantile_promql(metric, 0.99, WINDOW, APP), "p99")], unit="s"), w=8)
+    for metric, title in ((m.E2E_LATENCY, "End-to-end request latency"), (m.TTFT, "Time to first token"),
+                          (m.TPOT, "Time per output token"), (m.ITL, "Inter-token latency"),
+                          (m.QUEUE_TIME, "Queue time (target replica)")):
+        lay.add(timeseries(title, _quantiles(metric), unit="s", description=metric.description), w=8)
     step = m.STEP_TIME
     lay.add(timeseries("Step time by kind", [
         (f"sum by (kind) (rate({step.series('sum')}{{{APP}}}[{WINDOW}]))"
@@ -137,6 +175,8 @@ def build_panels() -> list[Panel]:
                           (m.KV_CACHED_TOKENS, "KV cached tokens"),
                           (m.KV_CACHED_SEQUENCES, "KV cached sequences")):
         lay.add(timeseries(title, [(_by_replica(metric), "{{deployment}} {{replica}}")]), w=6)
+    lay.add(timeseries("KV cache usage", [(_by_replica(m.KV_USAGE), "{{deployment}} {{replica}}")],
+                       unit="percentunit", minmax=(0, 1), description=m.KV_USAGE.description), w=8)
     return lay.panels
 
 

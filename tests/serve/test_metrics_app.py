@@ -125,6 +125,11 @@ def test_spec_decode_router_latency_and_load_metrics(app: AppProcess) -> None:
     with httpx.Client() as client:
         for mode in ("off", "off", "auto", "auto"):
             usages.append(_complete(client, url, PROMPTS[0], mode, 24))
+        # errors by status (issue 51): an unknown model (404) and a bad field (400)
+        bad = {"model": "no-such-model", "prompt": "x", "max_tokens": 4}
+        assert client.post(f"{url}/v1/completions", json=bad, timeout=30).status_code == 404
+        bad = {"model": MODEL, "prompt": "x", "max_tokens": -1}
+        assert client.post(f"{url}/v1/completions", json=bad, timeout=30).status_code == 400
 
     spec = [u["speculation"] for u in usages]
     want = {
@@ -149,6 +154,9 @@ def test_spec_decode_router_latency_and_load_metrics(app: AppProcess) -> None:
     while (got != want or total(samples, m.TTFT.series("count")) < n
            or total(samples, m.ROUTER_DECISIONS.exported) < n
            or total(samples, m.TPOT.series("count")) < sum(u["completion_tokens"] > 1 for u in usages)
+           or total(samples, m.GENERATION_TOKENS.exported) < sum(u["completion_tokens"] for u in usages)
+           or total(samples, m.REQUEST_SUCCESS.exported) < n or total(samples, m.REQUEST_ERRORS.exported) < 2
+           or total(samples, m.E2E_LATENCY.series("count")) < n
            or _gauge(samples, m.RUNNING_SEQUENCES) != 0) and time.monotonic() < deadline:
         time.sleep(1.0)
         got, samples = current()
@@ -182,6 +190,19 @@ def test_spec_decode_router_latency_and_load_metrics(app: AppProcess) -> None:
         counts = [v for _, v in buckets]
         assert counts == sorted(counts) and counts[-1] == count
         assert total(samples, hist.series("sum")) > 0
+    # Request-level series (issue 51), recorded by the router, labelled with the served model.
+    router = {"deployment": "Router", "model_name": MODEL}
+    assert total(samples, m.PROMPT_TOKENS.exported, **router) == sum(u["prompt_tokens"] for u in usages)
+    assert total(samples, m.GENERATION_TOKENS.exported, **router) == sum(u["completion_tokens"] for u in usages)
+    assert total(samples, m.REQUEST_SUCCESS.exported, finished_reason="length", **router) == n  # ignore_eos
+    assert total(samples, m.REQUEST_SUCCESS.exported) == n
+    assert total(samples, m.E2E_LATENCY.series("count"), **router) == n
+    itl = total(samples, m.ITL.series("count"), **router)
+    assert 0 < itl <= sum(u["completion_tokens"] - 1 for u in usages)  # one per chunk after the first
+    assert total(samples, m.REQUEST_ERRORS.exported, status="404", **router) == 1
+    assert total(samples, m.REQUEST_ERRORS.exported, status="400", **router) == 1
+    assert total(samples, m.FAILOVERS.exported) == 0  # not exported until one happens
+
     # Step times by kind: the target verifies and decodes, the draft server drafts.
     assert total(samples, m.STEP_TIME.series("count"), kind="verify", deployment="TargetServer") > 0
     assert total(samples, m.STEP_TIME.series("count"), kind="decode", deployment="TargetServer") > 0

@@ -75,7 +75,7 @@ class MetricsProbe:
     def __init__(self) -> None:
         from deployments.metrics_ray import ServeMetrics
 
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(model_name="meta-llama/Probe-1B")
 
     def __call__(self) -> str:
         for step in STEPS:
@@ -90,6 +90,22 @@ class MetricsProbe:
             self.metrics.observe_step(kind, seconds)
         self.metrics.record_step_mode("on")
         self.metrics.set_load(running=3, queue=2, kv_tokens=512, kv_seqs=3)
+        # issue 51: request-level metrics (router side, then target side)
+        self.metrics.record_prompt_tokens(17)
+        self.metrics.record_prompt_tokens(0)  # skipped, like every zero increment
+        self.metrics.record_generation_tokens(5)
+        self.metrics.record_generation_tokens(3)
+        self.metrics.observe_e2e(1.2)
+        self.metrics.observe_itl(0.03)
+        self.metrics.record_finished("length")
+        self.metrics.record_finished("length")
+        self.metrics.record_finished("abort")
+        self.metrics.record_error(503)
+        self.metrics.record_failover()
+        self.metrics.observe_queue_time(0.002)
+        self.metrics.set_kv_usage(0.25)
+        self.metrics.record_draft_misses(2)
+        self.metrics.record_plain_no_draft_step()
         return "ok"
 
 
@@ -180,6 +196,23 @@ def test_serve_metrics_are_exported_under_documented_names(probe_result: dict) -
     assert _total(samples, m.STEP_TIME.series("sum"), kind="verify") == pytest.approx(
         _midpoint(m.STEP_TIME.buckets, 0.02))
     assert _total(samples, m.KV_CACHED_TOKENS.exported) == 512
+
+    # Issue 51's request-level series, each with the model_name label.
+    assert _total(samples, m.PROMPT_TOKENS.exported) == 17
+    assert _total(samples, m.GENERATION_TOKENS.exported) == 8
+    assert _total(samples, m.REQUEST_SUCCESS.exported, finished_reason="length") == 2
+    assert _total(samples, m.REQUEST_SUCCESS.exported, finished_reason="abort") == 1
+    assert _total(samples, m.REQUEST_ERRORS.exported, status="503") == 1
+    assert _total(samples, m.FAILOVERS.exported) == 1
+    for hist in (m.E2E_LATENCY, m.ITL, m.QUEUE_TIME):
+        assert _total(samples, hist.series("count")) == 1, hist.name
+    assert _total(samples, m.E2E_LATENCY.series("bucket"), le="1.5") == 1
+    assert _total(samples, m.E2E_LATENCY.series("bucket"), le="1.0") == 0
+    assert _total(samples, m.KV_USAGE.exported) == 0.25
+    assert _total(samples, m.DRAFT_MISSES.exported) == 2
+    assert _total(samples, m.PLAIN_NO_DRAFT.exported) == 1
+    ours = [lab for n, lab, _ in samples if n.startswith("ray_specserve_")]
+    assert ours and all(lab.get("model_name") == "meta-llama/Probe-1B" for lab in ours)
 
     # Serve adds deployment/replica/application labels by itself.
     labels = next(lab for n, lab, _ in samples if n == m.RUNNING_SEQUENCES.exported)

@@ -84,6 +84,31 @@ def test_required_panels(model: dict[str, Any]) -> None:
         assert [e.split(",")[0] for e in exprs] == ["histogram_quantile(0.5", "histogram_quantile(0.99"]
 
 
+def test_request_level_panels(model: dict[str, Any]) -> None:
+    """Issue 51: throughput, errors and latency from the request-level metrics."""
+    by_title = {p["title"]: p for p in model["panels"]}
+    rows = [p["title"] for p in model["panels"] if p["type"] == "row"]
+    assert rows[:3] == ["Throughput", "Errors", "Speculation"] and "Latency" in rows
+    want = {
+        "Requests by finish reason": [m.REQUEST_SUCCESS],
+        "Tokens per second": [m.GENERATION_TOKENS, m.PROMPT_TOKENS],
+        "Errors by status": [m.REQUEST_ERRORS],
+        "5xx error ratio": [m.REQUEST_ERRORS, m.REQUEST_SUCCESS],
+        "Failovers, draft misses, plain steps (draft down)": [m.FAILOVERS, m.DRAFT_MISSES, m.PLAIN_NO_DRAFT],
+        "End-to-end request latency": [m.E2E_LATENCY],
+        "Inter-token latency": [m.ITL],
+        "Queue time (target replica)": [m.QUEUE_TIME],
+        "KV cache usage": [m.KV_USAGE],
+    }
+    for title, metrics in want.items():
+        text = " ".join(t["expr"] for t in by_title[title]["targets"])
+        for d in metrics:
+            assert d.exported in text, (title, d.name)
+    assert "by (finished_reason)" in by_title["Requests by finish reason"]["targets"][0]["expr"]
+    assert "by (status)" in by_title["Errors by status"]["targets"][0]["expr"]
+    assert by_title["KV cache usage"]["fieldConfig"]["defaults"]["unit"] == "percentunit"
+
+
 def test_ids_unique_and_grid_without_overlap(model: dict[str, Any]) -> None:
     ids = [p["id"] for p in model["panels"]]
     assert len(set(ids)) == len(ids)

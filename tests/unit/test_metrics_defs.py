@@ -173,11 +173,57 @@ def test_recorders_share_the_protocol_signatures() -> None:
 
     methods = [n for n in vars(m.MetricsRecorder) if not n.startswith("_")]
     assert set(methods) == {"record_step", "record_decision", "observe_ttft", "observe_tpot",
-                            "observe_step", "record_step_mode", "set_load"}
+                            "observe_step", "record_step_mode", "set_load", "observe_queue_time",
+                            "set_kv_usage", "record_draft_misses", "record_plain_no_draft_step"}
     for cls in (ServeMetrics, m.NullMetrics, m.InMemoryMetrics):
         for name in methods:
             want = inspect.signature(getattr(m.MetricsRecorder, name))
             assert inspect.signature(getattr(cls, name)) == want, (cls.__name__, name)
+
+
+def test_request_level_metrics_follow_vllm() -> None:
+    """Issue 51: vLLM's request metrics with our prefix, every specserve series labelled model_name."""
+    vllm = {  # vLLM name (without `vllm:`) -> ours
+        "prompt_tokens_total": m.PROMPT_TOKENS, "generation_tokens_total": m.GENERATION_TOKENS,
+        "e2e_request_latency_seconds": m.E2E_LATENCY, "time_to_first_token_seconds": m.TTFT,
+        "inter_token_latency_seconds": m.ITL, "request_queue_time_seconds": m.QUEUE_TIME,
+        "request_success_total": m.REQUEST_SUCCESS, "kv_cache_usage_perc": m.KV_USAGE,
+    }
+    for name, d in vllm.items():
+        assert d.name == "specserve_" + name and d in m.ALL_METRICS
+    assert m.REQUEST_SUCCESS.labels == ("finished_reason",)
+    assert m.FINISHED_REASONS == ("stop", "length", "abort")
+    assert m.REQUEST_ERRORS.labels == ("status",)
+    for d in (m.FAILOVERS, m.DRAFT_MISSES, m.PLAIN_NO_DRAFT):
+        assert d.kind == "counter" and d in m.ALL_METRICS
+    for d in m.ALL_METRICS:
+        assert d.tag_keys == ("model_name", *d.labels)
+        assert "model_name" not in d.labels
+    # buckets reach past the longest request timeout a config allows (300 s)
+    assert m.E2E_BUCKETS[-1] > 300 and m.QUEUE_BUCKETS[-1] >= 300
+
+
+def test_error_ratio_promql() -> None:
+    expr = m.error_ratio_promql("5m", 'application="a"')
+    assert expr.startswith(f'(sum(rate({m.REQUEST_ERRORS.exported}{{application="a", status=~"5.."}}[5m]))')
+    assert f'{m.REQUEST_SUCCESS.exported}{{application="a"}}[5m]' in expr
+
+
+def test_in_memory_target_side_recorder() -> None:
+    rec = m.InMemoryMetrics()
+    rec.observe_queue_time(0.25)
+    rec.set_kv_usage(0.5)
+    rec.record_draft_misses(3)
+    rec.record_plain_no_draft_step()
+    assert (rec.queue_times, rec.kv_usage, rec.draft_misses, rec.plain_no_draft_steps) == ([0.25], 0.5, 3, 1)
+    with pytest.raises(ValueError):
+        rec.set_kv_usage(1.5)
+    with pytest.raises(ValueError):
+        rec.record_draft_misses(-1)
+    assert m.check_status(503) == "503"
+    for bad in (200, 99, 600):
+        with pytest.raises(ValueError):
+            m.check_status(bad)
 
 
 def test_app_metrics_is_ray_free() -> None:
