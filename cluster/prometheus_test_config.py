@@ -1,8 +1,9 @@
-"""Render a loopback-only Prometheus config from cluster/prometheus.yml, for tests.
+"""Render a loopback-only Prometheus config from cluster/prometheus/prometheus.yml, for tests.
 
-`cluster/prometheus.yml` discovers Ray nodes through Ray's file_sd JSON, whose targets are node
-IPs. Tests here may only talk to 127.0.0.1, so the same config is rendered with the file_sd
-block replaced by one static target, 127.0.0.1:<metrics_export_port>, and a short interval.
+`cluster/prometheus/prometheus.yml` discovers Ray nodes through Ray's file_sd JSON, whose targets
+are node IPs. Tests here may only talk to 127.0.0.1, so the same config is rendered with the
+file_sd block replaced by one static target, 127.0.0.1:<metrics_export_port>, and a short interval.
+Its rule files are made absolute, so the rendered file may be written anywhere.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import yaml
 
-TEMPLATE_PATH = Path(__file__).resolve().parent / "prometheus.yml"
+TEMPLATE_PATH = Path(__file__).resolve().parent / "prometheus" / "prometheus.yml"
 
 
 def _duration(seconds: float) -> str:
@@ -37,5 +38,6 @@ def render_prometheus_config(metrics_port: int, scrape_interval_s: float) -> str
     config["global"]["scrape_timeout"] = interval
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "ray"]
     job.pop("file_sd_configs")
+    config["rule_files"] = [str(TEMPLATE_PATH.parent / f) for f in config.get("rule_files", [])]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
     return yaml.safe_dump(config, sort_keys=False)

@@ -3,7 +3,7 @@
 Ray starts the way a cluster's head node does for Prometheus: with its dashboard, whose
 process rewrites `<session_dir>/prom_metrics_service_discovery.json` (symlinked from
 `/tmp/ray/prom_metrics_service_discovery.json`) every few seconds with the node's metrics
-endpoint, so a Prometheus using cluster/prometheus.yml finds this host's metrics, and with a
+endpoint, so a Prometheus using cluster/prometheus/prometheus.yml finds this host's metrics, and with a
 fixed metrics export port (`--metrics-export-port`, 8080 by default as on the cluster manifests).
 """
 

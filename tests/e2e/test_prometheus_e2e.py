@@ -13,9 +13,11 @@ scrape before t0 (see the test for why so close). It must equal measured accepte
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
+import urllib.request
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -172,3 +174,31 @@ def test_acceptance_rate_through_prometheus_matches_responses(stack) -> None:
     for expr in (m.TTFT_P99_PROMQL, m.TPOT_P99_PROMQL):
         v = prom.scalar(expr, at=when)
         assert v is not None and 0 < v < math.inf, (expr, v)
+
+
+def test_recording_and_alert_rules_load_and_evaluate(stack) -> None:
+    """cluster/prometheus/specserve-rules.yml, loaded through the rendered config, evaluates on the
+    app's real series (after the traffic of the test above): every rule healthy, the throughput
+    and acceptance recordings present with the served model's label, and no alert firing."""
+    app, prom = stack
+    with httpx.Client() as client:  # fresh traffic inside the recordings' 5m window
+        for i in range(3):
+            _request(client, app.url, i)
+    with urllib.request.urlopen(f"{prom.url}/api/v1/rules", timeout=20) as r:
+        groups = {g["name"]: g for g in json.loads(r.read())["data"]["groups"]}
+    assert {"specserve-recording", "specserve-alerts"} <= set(groups)
+    for group in groups.values():
+        for rule in group["rules"]:
+            assert rule["health"] in ("ok", "unknown"), rule  # unknown: not evaluated yet
+    deadline = time.monotonic() + 60
+    while True:
+        tokens = prom.query("specserve:generation_tokens:rate5m")
+        acceptance = prom.query("specserve:spec_decode_acceptance_rate:rate5m")
+        if (tokens and acceptance) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert tokens and all(float(s["value"][1]) > 0 for s in tokens), tokens
+    assert {s["metric"].get("model_name") for s in tokens} == {"specserve-embedded"}
+    assert acceptance and all(0 < float(s["value"][1]) <= 1 for s in acceptance), acceptance
+    firing = [a for a in prom.query("ALERTS") if a["metric"].get("alertstate") == "firing"]
+    assert not firing, firing

@@ -1,6 +1,6 @@
 """`make run`'s Ray is findable by Prometheus (issue 51): `deployments.run_local.start_ray` starts the
 dashboard, which writes Ray's file_sd JSON (`/tmp/ray/prom_metrics_service_discovery.json`, read
-by cluster/prometheus.yml) listing this node's metrics export port, and that port serves /metrics.
+by cluster/prometheus/prometheus.yml) listing this node's metrics export port, and that port serves /metrics.
 
 The Ray runs in a child process with its own RAY_TMPDIR, so it never meets the test session's
 Ray (started without a dashboard) or any other Ray on the machine. No application is deployed:
@@ -65,6 +65,6 @@ def test_start_ray_writes_prometheus_service_discovery() -> None:
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(lines[-1][len("RESULT "):])
     (group,) = [g for g in result["groups"] if any(t.endswith(f":{metrics_port}") for t in g["targets"])]
-    assert group["labels"] == {"job": "ray"}  # cluster/prometheus.yml's job
+    assert group["labels"] == {"job": "ray"}  # cluster/prometheus/prometheus.yml's job
     assert result["in_session"]
     assert result["status"] == 200 and result["ray_series"]

@@ -9,7 +9,8 @@
   target pools ask for, one group per pool, and every replica fits its group's pods.
 - cluster/ray-cluster-launcher.yaml: passes Ray's own launcher schema (prepare_config +
   validate_config); the same resource checks for its node types, for both GPU configs.
-- cluster/prometheus.yml: `promtool check config` (and its loopback rendering).
+- cluster/prometheus/prometheus.yml: `promtool check config` (and its loopback rendering), rules
+  included (tests/unit/test_prometheus_rules.py tests the rules themselves).
 No Ray cluster is started: building an Application does not need one.
 """
 
@@ -227,7 +228,8 @@ def test_prometheus_configs_pass_promtool(tmp_path: Path) -> None:
 
     rendered = tmp_path / "prometheus.yml"
     rendered.write_text(render_prometheus_config(8080, 1.0))
-    for path in (ROOT / "cluster" / "prometheus.yml", rendered):
+    for path in (ROOT / "cluster" / "prometheus" / "prometheus.yml", rendered):
         proc = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True,
                               cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "specserve-rules.yml" in proc.stdout and "SUCCESS: 0 rules found" not in proc.stdout
