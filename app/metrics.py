@@ -210,6 +210,16 @@ ALL_METRICS: tuple[MetricDef, ...] = (
 SERVE_REPLICA_HEALTHY = "ray_serve_deployment_replica_healthy"  # 1 per healthy replica
 SERVE_TARGET_REPLICAS = "ray_serve_autoscaling_target_replicas"  # autoscaler's target
 SERVE_ONGOING_REQUESTS = "ray_serve_replica_processing_queries"
+# Ray's per-node series (the dashboard agent's reporter, every node; Ray 2.60 source:
+# dashboard/modules/reporter/reporter_agent.py). Labels ip, RayNodeType, IsHeadNode, SessionName,
+# and for GPUs GpuIndex, GpuDeviceName, GpuUuid; no Serve application label. GPU series exist on
+# nodes with NVIDIA (pynvml) or AMD GPUs only.
+RAY_NODE_GPU_UTILIZATION = "ray_node_gpus_utilization"  # percent 0-100, per GPU
+RAY_NODE_GPU_MEMORY_USED = "ray_node_gram_used"  # MiB (Ray's help text says bytes; it is MB), per GPU
+RAY_NODE_GPU_MEMORY_AVAILABLE = "ray_node_gram_available"  # MiB, per GPU
+RAY_NODE_CPU_UTILIZATION = "ray_node_cpu_utilization"  # percent 0-100, per node
+RAY_NODE_SERIES: tuple[str, ...] = (
+    RAY_NODE_GPU_UTILIZATION, RAY_NODE_GPU_MEMORY_USED, RAY_NODE_GPU_MEMORY_AVAILABLE, RAY_NODE_CPU_UTILIZATION)
 
 
 # ---------------------------------------------------------------------------------------- PromQL

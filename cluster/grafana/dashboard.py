@@ -1,6 +1,7 @@
 """The specserve Grafana dashboard, as code (plain dicts -> Grafana dashboard JSON model).
 
     python -m cluster.grafana.dashboard --out cluster/grafana/specserve.json
+    python -m cluster.k8s_monitoring      # the same JSON as a Grafana sidecar ConfigMap
 
 Every query is built from `app.metrics` (the names Ray 2.60 actually exports, `ray_` prefix
 included), so the dashboard cannot drift from the metric definitions. The datasource is a
@@ -27,6 +28,9 @@ APP = 'application=~"$application"'
 GRID_WIDTH = 24
 STEP_TIME_HELP = ("Engine step time: decode, verify, draft, exchange, prefill. Means are approximate: "
                   "Ray 2.60 exports a histogram's _sum from bucket midpoints, not observed values.")
+
+NODES_HELP = ("Per Ray node (the dashboard agent's reporter), not filtered by Serve application: every node "
+              "Prometheus scrapes. GPU series exist only on nodes with GPUs.")
 
 Panel = dict[str, Any]
 
@@ -177,6 +181,23 @@ def build_panels() -> list[Panel]:
         lay.add(timeseries(title, [(_by_replica(metric), "{{deployment}} {{replica}}")]), w=6)
     lay.add(timeseries("KV cache usage", [(_by_replica(m.KV_USAGE), "{{deployment}} {{replica}}")],
                        unit="percentunit", minmax=(0, 1), description=m.KV_USAGE.description), w=8)
+
+    # Ray's node series carry no Serve application label: these panels show every node Prometheus
+    # scrapes (NODES_HELP).
+    lay.row("GPU and nodes")
+    lay.add(timeseries(
+        "GPU utilization", [(f"max by (ip, GpuIndex, GpuDeviceName) ({m.RAY_NODE_GPU_UTILIZATION})",
+                             "{{ip}} GPU {{GpuIndex}} {{GpuDeviceName}}")],
+        unit="percent", minmax=(0, 100), description=NODES_HELP), w=8)
+    lay.add(timeseries(
+        "GPU memory used", [
+            (f"max by (ip, GpuIndex) ({m.RAY_NODE_GPU_MEMORY_USED}) * 1048576", "{{ip}} GPU {{GpuIndex}} used"),
+            (f"max by (ip, GpuIndex) ({m.RAY_NODE_GPU_MEMORY_USED} + {m.RAY_NODE_GPU_MEMORY_AVAILABLE}) * 1048576",
+             "{{ip}} GPU {{GpuIndex}} total")],
+        unit="bytes", description=NODES_HELP + " Ray reports GPU memory in MiB; shown in bytes."), w=8)
+    lay.add(timeseries(
+        "CPU utilization per node", [(f"max by (ip) ({m.RAY_NODE_CPU_UTILIZATION})", "{{ip}}")],
+        unit="percent", minmax=(0, 100), description=NODES_HELP), w=8)
     return lay.panels
 
 

@@ -18,7 +18,8 @@ from cluster.grafana import dashboard as dash
 COMMITTED = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "specserve.json"
 RAY_NAME_RE = re.compile(r"\bray_[a-z0-9_]+")
 KNOWN_SERIES = {s for d in m.ALL_METRICS for s in d.exported_series} | {
-    m.SERVE_REPLICA_HEALTHY, m.SERVE_TARGET_REPLICAS, m.SERVE_ONGOING_REQUESTS}
+    m.SERVE_REPLICA_HEALTHY, m.SERVE_TARGET_REPLICAS, m.SERVE_ONGOING_REQUESTS, *m.RAY_NODE_SERIES}
+NODE_PANELS = {"GPU utilization", "GPU memory used", "CPU utilization per node"}
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +57,15 @@ def test_every_panel_has_a_datasource_and_targets(model: dict[str, Any]) -> None
 
 
 def test_exprs_reference_defined_metrics_only(model: dict[str, Any]) -> None:
-    for expr in _exprs(model):
-        referenced = set(RAY_NAME_RE.findall(expr))
-        assert referenced, expr
-        assert referenced <= KNOWN_SERIES, referenced - KNOWN_SERIES
-        assert 'application=~"$application"' in expr
+    for panel in _data_panels(model):
+        for expr in (t["expr"] for t in panel["targets"]):
+            referenced = set(RAY_NAME_RE.findall(expr))
+            assert referenced, expr
+            assert referenced <= KNOWN_SERIES, referenced - KNOWN_SERIES
+            if panel["title"] in NODE_PANELS:  # Ray's node series have no application label
+                assert referenced <= set(m.RAY_NODE_SERIES), expr
+            else:
+                assert 'application=~"$application"' in expr
 
 
 def test_every_metric_is_on_the_dashboard(model: dict[str, Any]) -> None:
@@ -107,6 +112,20 @@ def test_request_level_panels(model: dict[str, Any]) -> None:
     assert "by (finished_reason)" in by_title["Requests by finish reason"]["targets"][0]["expr"]
     assert "by (status)" in by_title["Errors by status"]["targets"][0]["expr"]
     assert by_title["KV cache usage"]["fieldConfig"]["defaults"]["unit"] == "percentunit"
+
+
+def test_gpu_panels(model: dict[str, Any]) -> None:
+    """Issue 51: GPU utilization and memory per GPU, from Ray's node series."""
+    rows = [p["title"] for p in model["panels"] if p["type"] == "row"]
+    assert rows[-1] == "GPU and nodes"
+    by_title = {p["title"]: p for p in model["panels"]}
+    assert NODE_PANELS <= set(by_title)
+    util = by_title["GPU utilization"]
+    assert util["targets"][0]["expr"] == f"max by (ip, GpuIndex, GpuDeviceName) ({m.RAY_NODE_GPU_UTILIZATION})"
+    assert util["fieldConfig"]["defaults"]["unit"] == "percent"
+    mem = by_title["GPU memory used"]
+    assert all(t["expr"].endswith("* 1048576") for t in mem["targets"])  # MiB -> bytes
+    assert m.RAY_NODE_GPU_MEMORY_USED in mem["targets"][0]["expr"]
 
 
 def test_ids_unique_and_grid_without_overlap(model: dict[str, Any]) -> None:
