@@ -7,8 +7,10 @@ BIN     := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 CONFIG  ?= configs/local.yaml
 METRICS_PORT ?= 8080
+# The image cluster/kuberay-rayservice.yaml names: specserve:<pyproject version>
+IMAGE   ?= specserve:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup setup-run run test test-unit clean
+.PHONY: setup setup-run run test test-unit image clean
 
 # Two stamps: .ready-run = what serving needs (`pip install -e .`), for `make run`;
 # .ready = that plus the test extras (`.[test]`), for `make test` and development (`make setup`).
@@ -37,6 +39,10 @@ test: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
+
+# CUDA torch + this package on Ray's GPU image (Dockerfile); needs a Docker daemon.
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) .pytest_cache
