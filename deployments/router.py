@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.api_key import ApiKeys, is_open_path
 from app.config import AppConfig
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import load_tokenizer
@@ -49,6 +50,50 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         message = str(exc.detail)
     return JSONResponse(error_body(message, "invalid_request_error", code=str(exc.status_code)),
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+# This replica's Router state the ASGI middleware needs (API keys, metrics). Serve ships the
+# ingress class and a frozen copy of `fastapi_app` to the replica by value, so neither a global
+# nor `fastapi_app.state` is shared between them: both sides look the one real module up by name.
+_REPLICA_STATE: dict[str, Any] = {}
+
+
+def replica_state() -> dict[str, Any]:
+    import importlib
+
+    return importlib.import_module("deployments.router")._REPLICA_STATE
+
+
+class ApiKeyMiddleware:
+    """Optional API key (app/api_key.py): without a valid `Authorization: Bearer` key a request is
+    answered 401 with OpenAI's error JSON. Open paths (/health, ...) pass, and so does everything
+    when the router's environment sets no key. Pure ASGI (no BaseHTTPMiddleware), so streaming and
+    client-disconnect handling are untouched; the keys are the replica's (Router.__init__)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        state = replica_state()
+        keys: ApiKeys | None = state.get("api_keys")
+        if scope["type"] != "http" or keys is None or not keys.enabled:
+            return await self.app(scope, receive, send)
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # a route_prefix other than "/"
+            path = path[len(root):] or "/"
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        failure = None if is_open_path(path) else keys.check(header.decode("latin-1") if header else None)
+        if failure is None:
+            return await self.app(scope, receive, send)
+        metrics = state.get("metrics")
+        if metrics is not None:
+            metrics.record_error(401)
+        response = JSONResponse(error_body(failure.message, "invalid_request_error", None, failure.code),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+fastapi_app.add_middleware(ApiKeyMiddleware)
 
 
 def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
@@ -96,6 +141,10 @@ class Router:
         self.has_draft = self.config.engine.draft is not None or self.config.engine.speculation.proposer == "ngram"
         self.policy = SpeculationPolicy(self.config.policy)
         self.metrics = ServeMetrics(model_name=self.config.model_name)
+        # Optional API key from the replica's environment, never the config (app/api_key.py).
+        api_keys = ApiKeys.from_env()
+        replica_state().update(api_keys=api_keys, metrics=self.metrics)
+        log.info("API key %s", "required (Authorization: Bearer)" if api_keys.enabled else "off")
         self.in_flight = 0
         self.failovers = 0  # target replica failures survived by re-issuing (RequestRun)
         self.active_runs: set[RequestRun] = set()
