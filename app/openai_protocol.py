@@ -1,7 +1,10 @@
 """OpenAI-compatible request/response schemas with specserve's extension fields.
 
 Every field of a request is one of:
-  - implemented: typed, range-checked and used (see `_Request` and its two subclasses);
+  - implemented: typed, range-checked and used (see `_Request` and its two subclasses). At the
+    router: `n` (choice i of a seeded request samples with seed + i), `best_of` equal to n, a
+    list of prompts (text or token ids; choices prompt-major), `echo`, chat content as text
+    parts, the `developer` role (given to the chat template as `system`), `max_completion_tokens`;
   - refused by name: a field the server does not implement set to anything but null or a value
     that asks for nothing (its default) gets a 400 whose `param` names it. Known fields the engine
     does not implement yet are listed in NOT_SUPPORTED_YET ("not supported yet"), fields this
@@ -34,6 +37,11 @@ from app.config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpeculationMode
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 32  # prompts in one completions request
+MAX_CHOICES = 32  # generations in one request (prompts x n): each is a sequence in the engine
+# Chat roles the chat template does not know, as the role it is given instead.
+TEMPLATE_ROLE = {"developer": "system"}
 # The message of a 400 for a key the request model does not declare (pydantic's "extra_forbidden").
 UNKNOWN_FIELD = "this server does not implement this field (see /docs for the fields each endpoint takes)"
 
@@ -132,7 +140,7 @@ class _Request(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000)
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -178,7 +186,14 @@ class _Request(_Strict):
             raise ValueError(f"stop sequences are limited to {MAX_STOP_LENGTH} characters")
         return [s for s in stops if s]
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that set the completion's length (max_completion_tokens wins, as OpenAI's)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def sampling(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for one choice. With a seed, choice i samples with seed + i: each
+        of n choices differs and the request stays reproducible (choice 0 is the request with n=1)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return SamplingParams(
             temperature=self.temperature,
@@ -186,27 +201,91 @@ class _Request(_Strict):
             top_k=self.top_k,
             max_tokens=max_tokens,
             stop=tuple(self.stop or ()),
-            seed=self.seed,
+            seed=None if self.seed is None else (self.seed + choice) % 2**63,
             ignore_eos=self.ignore_eos,
         )
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(..., description="text, or token ids")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text, token ids, or a list of either (several prompts: choices are indexed "
+        "prompt-major, prompt i's choice j at i * n + j)")
+    echo: bool = Field(False, description="each choice's text starts with its prompt")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n (ranking needs logprobs)")
     logprobs: int | None = Field(None, ge=0, le=20)  # NOT_SUPPORTED_YET
     suffix: str | None = None  # NOT_SUPPORTED unless empty
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v: str | list[int]) -> str | list[int]:
-        if len(v) == 0:
+    def _prompts_fit(cls, v: Any, info: ValidationInfo) -> Any:
+        prompts = _as_prompts(v)
+        if not prompts:
             raise ValueError("prompt must not be empty")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a prompt must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+        n = info.data.get("n", 1)
+        if len(prompts) * n > MAX_CHOICES:
+            raise ValueError(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} generations; "
+                             f"at most {MAX_CHOICES} in one request")
         return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int, info: ValidationInfo) -> int:
+        n = info.data.get("n", 1)
+        if v < n:
+            raise ValueError(f"best_of ({v}) must be at least n ({n})")
+        if v > n:
+            raise PydanticCustomError(
+                "not_supported_yet", "best_of > n is not supported yet: picking the best of several "
+                "generations ranks them by log probability, which the engine does not compute yet; "
+                "send best_of equal to n ({n}) or leave it out", {"n": n})
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text or token ids."""
+        return _as_prompts(self.prompt)
+
+
+def _as_prompts(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]  # one prompt: text, or token ids
+    return list(prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(..., description="text, or a list of text parts")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("content must not be an empty list")
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise PydanticCustomError(
+                        "not_supported", "part {i} has type \"{kind}\": this server takes text only "
+                        '(content parts of type "text")', {"i": i, "kind": kind})
+        return v
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM joins them)."""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: text content; `developer` given as `system`."""
+    return [{"role": TEMPLATE_ROLE.get(m.role, m.role), "content": m.text()} for m in messages]
 
 
 class ChatCompletionRequest(_Request):
@@ -268,27 +347,31 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, usage: Usage) -> dict[str, Any]:
+def completion_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
+    """`choices`: (text, finish reason) of each choice, in index order."""
     return {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                    for i, (text, finish) in enumerate(choices)],
         "usage": usage.model_dump(),
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish: str | None, usage: Usage) -> dict[str, Any]:
+def chat_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
+    """`choices`: (text, finish reason) of each choice, in index order."""
     return {
         "id": rid, "object": "chat.completion", "created": now(), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+        "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                    for i, (text, finish) in enumerate(choices)],
         "usage": usage.model_dump(),
     }
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None,
-                     provenance: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                     provenance: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}],
     }
     if provenance is not None:
         chunk["specserve"] = {"tokens": provenance}  # extension field; OpenAI clients ignore it
@@ -296,7 +379,7 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None,
 
 
 def chat_chunk(rid: str, model: str, text: str | None, finish: str | None, first: bool = False,
-               provenance: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               provenance: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
@@ -304,7 +387,7 @@ def chat_chunk(rid: str, model: str, text: str | None, finish: str | None, first
         delta["content"] = text
     chunk: dict[str, Any] = {
         "id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
     }
     if provenance is not None:
         chunk["specserve"] = {"tokens": provenance}

@@ -7,7 +7,9 @@ produced (identical under greedy decoding).
 """
 
 import asyncio
+import contextvars
 import dataclasses
+import statistics
 import logging
 import time
 import uuid
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi.responses import JSONResponse
 from ray.exceptions import RayError, TaskCancelledError
+from ray.serve import context as serve_context
+from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from app.acceptance import AcceptanceStats
@@ -53,9 +57,10 @@ class RequestRun:
     """One request's life across target replicas: streams chunks, fails over, accounts usage."""
 
     def __init__(self, router: "Router", request: GenerateRequest, decision: SpeculationDecision,
-                 requested: str, prompt_class: str) -> None:
+                 requested: str, prompt_class: str, shares_request: bool = False) -> None:
         self.router, self.request, self.decision = router, request, decision
         self.requested, self.prompt_class = requested, prompt_class
+        self.shares_request = shares_request  # one of several runs of one HTTP request (n > 1, prompts)
         self.tokens: list[int] = []
         self.stats = AcceptanceStats()
         self.started = time.monotonic()
@@ -75,7 +80,8 @@ class RequestRun:
         timeout_s = max(0.05, self.deadline - time.monotonic())
         req = dataclasses.replace(r, request_id=f"{r.request_id}-{uuid.uuid4().hex[:6]}",
                                   prompt_ids=r.prompt_ids + self.tokens, sampling=sampling, timeout_s=timeout_s)
-        self._response = self.router.target.options(stream=True).generate.remote(req)
+        call = self.router.target.options(stream=True).generate.remote
+        self._response = _with_own_serve_id(call, req) if self.shares_request else call(req)
         return self._response.__aiter__()
 
     def _cancel(self) -> None:
@@ -85,6 +91,13 @@ class RequestRun:
             self._response.cancel()
         except Exception:  # noqa: BLE001 — cancel() re-raises a failed assignment (e.g. BackPressureError)
             pass
+
+    def release(self) -> None:
+        """Undo an admission whose chunks will never be read (another choice of the same request
+        was refused, or the client left first): give back the slot and stop the target."""
+        self.router.in_flight -= 1
+        self.router.active_runs.discard(self)
+        self._cancel()
 
     async def first(self) -> GenerateChunk:
         """Admission: the first chunk (or a 4xx/429 before any byte of the response is sent)."""
@@ -215,3 +228,128 @@ def provenance(tokenizer, chunk: GenerateChunk) -> list[dict[str, Any]]:
         {"id": t, "text": tokenizer.decode([t]), "origin": "draft" if i < chunk.accepted else "target"}
         for i, t in enumerate(chunk.token_ids)
     ]
+
+
+def _with_own_serve_id(call, *args):
+    """`call(*args)` (a handle's .remote) under its own Serve internal request id.
+
+    A handle call inherits the internal request id of the request it is made in, and Serve's
+    handle router tracks pending calls by that id: of several concurrent calls from one ingress
+    request (one per choice), one is assigned and the others wait forever. In a copy of the
+    context, the call gets an id of its own (Serve's _RequestContext is private, frozen: replaced).
+    """
+    def run():
+        ctx = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=generate_request_id()))
+        return call(*args)
+
+    return contextvars.copy_context().run(run)
+
+
+# ---- one request of several generations (n > 1, a list of prompts): one run per choice ----------
+async def admit(runs: list[RequestRun]) -> list[GenerateChunk]:
+    """Every run's first chunk, admitted concurrently: all or none. When one is refused (or the
+    caller is cancelled), the runs already admitted are released and the first error is raised."""
+    if len(runs) == 1:
+        return [await runs[0].first()]
+    tasks = [asyncio.create_task(run.first()) for run in runs]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+        if failed is None:
+            return [t.result() for t in tasks]
+        for t in tasks:
+            t.cancel()  # a run not yet admitted undoes its own admission (RequestRun.first)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise failed.exception()
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        for run, t in zip(runs, tasks):
+            if t.done() and not t.cancelled() and t.exception() is None:
+                run.release()
+        raise
+
+
+async def collect(runs: list[RequestRun]) -> list[list[GenerateChunk]]:
+    """Every run's chunks (non-streaming), run concurrently; the first error cancels the others."""
+    async def one(run: RequestRun) -> list[GenerateChunk]:
+        return [c async for c in run.chunks()]
+
+    if len(runs) == 1:
+        return [await one(runs[0])]
+    tasks = [asyncio.create_task(one(run)) for run in runs]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()  # no-op for finished ones; RequestRun.chunks cleans up a cancelled one
+
+
+async def merged_chunks(runs: list[RequestRun],
+                        firsts: list[GenerateChunk]) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    """(run index, chunk) of admitted runs as their chunks arrive (streaming). The first error ends
+    it; closing it early (the client left) cancels every run."""
+    if len(runs) == 1:
+        async for chunk in runs[0].chunks(firsts[0]):
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, GenerateChunk | None, BaseException | None]] = asyncio.Queue()
+    started = [False] * len(runs)
+
+    async def pump(i: int) -> None:
+        started[i] = True
+        try:
+            async for chunk in runs[i].chunks(firsts[i]):
+                queue.put_nowait((i, chunk, None))
+        except Exception as e:  # noqa: BLE001 — handed to the consumer, which raises it
+            queue.put_nowait((i, None, e))
+        else:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(runs))]
+    try:
+        left = len(runs)
+        while left:
+            i, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                left -= 1
+            else:
+                yield i, chunk
+    finally:
+        for i, t in enumerate(tasks):
+            t.cancel()
+            if not started[i]:
+                runs[i].release()  # cancelled before it began: its chunks() never ran to clean up
+
+
+def combined_usage(runs: list[RequestRun], prompt_tokens: int) -> Usage:
+    """One request's usage over its runs: prompt tokens once per prompt (`prompt_tokens`), completion
+    tokens and speculation counts summed over the choices. Where the runs' decisions differ (a list
+    of prompts), mode is "speculative" if any speculated, k the deepest, the reasons joined by ",",
+    the expected speedup their mean."""
+    if len(runs) == 1:
+        return runs[0].usage()
+    usages = [run.usage() for run in runs]
+    specs = [u.speculation for u in usages if u.speculation is not None]
+    stats = AcceptanceStats()
+    for run in runs:
+        stats.merge(run.stats)
+    completion = sum(u.completion_tokens for u in usages)
+    spec = SpeculationUsage(
+        mode="speculative" if any(s.mode == "speculative" for s in specs) else "plain",
+        requested=specs[0].requested, k=max(s.k for s in specs),
+        reason=",".join(dict.fromkeys(s.reason for s in specs)), adaptive=any(s.adaptive for s in specs),
+        drafted_tokens=stats.num_draft_tokens, accepted_tokens=stats.num_accepted_tokens, num_drafts=stats.num_drafts,
+        acceptance_rate=stats.acceptance_rate, mean_acceptance_length=stats.mean_acceptance_length,
+        expected_speedup=round(statistics.fmean(s.expected_speedup or 1.0 for s in specs), 3),
+        batch_size=max((s.batch_size for s in specs if s.batch_size is not None), default=None),
+    )
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                 total_tokens=prompt_tokens + completion, speculation=spec)

@@ -1,8 +1,9 @@
 """Router: the HTTP ingress. Validates, tokenizes, asks the policy, streams from a target replica.
 
 OpenAI-compatible: /v1/completions, /v1/chat/completions (stream or not), /v1/models,
-/health. Bad input gets OpenAI error JSON with a 4xx. A target replica that dies
-mid-request is replaced transparently: the request is re-issued to another replica with
+/health. Bad input gets OpenAI error JSON with a 4xx. A request for several choices (n > 1, a
+list of prompts) runs one generation per choice on the targets, concurrently. A target replica
+that dies mid-request is replaced transparently: the request is re-issued to another replica with
 the prompt plus every token already streamed, so the stream continues where it stopped.
 """
 
@@ -25,12 +26,14 @@ from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import load_tokenizer
 from app.openai_protocol import (
     UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response,
-    completion_chunk, completion_response, error_body, new_id,
+    completion_chunk, completion_response, error_body, new_id, template_messages,
 )
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
 from deployments.metrics_ray import ServeMetrics
 from deployments.request_router import load_registry
-from deployments.request_run import RequestError, RequestRun, provenance
+from deployments.request_run import (
+    RequestError, RequestRun, admit, collect, combined_usage, merged_chunks, provenance,
+)
 
 log = logging.getLogger("ray.serve")
 fastapi_app = FastAPI(title="specserve", description="speculative decoding on Ray Serve")
@@ -218,41 +221,60 @@ class Router:
             if body.model != self.config.model_name:
                 raise RequestError(404, f"model {body.model!r} does not exist; this server serves "
                                         f"{self.config.model_name!r} (see GET /v1/models)", "model", "model_not_found")
-            prompt_ids, text = self._tokenize(body, chat)
-            room = self.max_context - len(prompt_ids)
-            if room < 1:
-                raise RequestError(400, f"prompt is {len(prompt_ids)} tokens; this model's maximum context "
-                                        f"length is {self.max_context} tokens", "messages" if chat else "prompt",
-                                   "context_length_exceeded")
-            requested = body.max_completion_tokens or body.max_tokens
-            if requested is not None and requested > room:
-                raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({requested}) exceeds "
-                                        f"this model's maximum context length of {self.max_context} tokens; "
-                                        f"lower max_tokens to at most {room}", "max_tokens", "context_length_exceeded")
-            sampling = body.sampling(default_max_tokens=min(DEFAULT_MAX_TOKENS, room))
+            prompts = self._tokenize(body, chat)
+            rooms = [self._room(body, ids, chat, i if len(prompts) > 1 else None) for i, (ids, _) in enumerate(prompts)]
         except RequestError as e:
             return e.response()
-        decision = self._decide(body, sampling, len(prompt_ids), text, chat)
         rid = new_id("chatcmpl" if chat else "cmpl")
-        max_k, adaptive = self.policy.engine_depth(decision, sampling.max_tokens)
-        gen = GenerateRequest(rid, prompt_ids, sampling, max_k, self.config.engine.limits.request_timeout_s,
-                              adaptive=adaptive, alpha_prior=decision.alpha)
-        run = RequestRun(self, gen, decision, body.speculation, classify_prompt(text, chat=chat))
+        # n generations per prompt, prompt-major (choice index = prompt index * n + j), as OpenAI's
+        runs: list[RequestRun] = []
+        for (prompt_ids, text), room in zip(prompts, rooms):
+            default_max = min(DEFAULT_MAX_TOKENS, room)
+            sampling = body.sampling(default_max_tokens=default_max)
+            decision = self._decide(body, sampling, len(prompt_ids), text, chat)
+            max_k, adaptive = self.policy.engine_depth(decision, sampling.max_tokens)
+            for j in range(body.n):
+                gen = GenerateRequest(rid if len(prompts) * body.n == 1 else f"{rid}-{len(runs)}", prompt_ids,
+                                      body.sampling(default_max_tokens=default_max, choice=j), max_k,
+                                      self.config.engine.limits.request_timeout_s, adaptive=adaptive,
+                                      alpha_prior=decision.alpha)
+                runs.append(RequestRun(self, gen, decision, body.speculation, classify_prompt(text, chat=chat),
+                                       shares_request=len(prompts) * body.n > 1))
+        echoes = [text for _, text in prompts for _ in range(body.n)] if not chat and body.echo else None
+        prompt_tokens = sum(len(ids) for ids, _ in prompts)
         if body.stream:
             try:
-                first = await run.first()
+                firsts = await admit(runs)
             except RequestError as e:
                 return e.response()
-            return StreamingResponse(self._sse(run, first, rid, chat, body.return_provenance),
+            return StreamingResponse(self._sse(runs, firsts, rid, chat, body.return_provenance, echoes, prompt_tokens),
                                      media_type="text/event-stream")
         try:
-            chunks = [c async for c in run.chunks()]
+            outputs = await collect(runs)
         except RequestError as e:
             return e.response()
-        text_out = "".join(c.text for c in chunks)
-        finish = chunks[-1].finish_reason if chunks else None
+        choices = []
+        for i, chunks in enumerate(outputs):
+            text_out = (echoes[i] if echoes else "") + "".join(c.text for c in chunks)
+            choices.append((text_out, chunks[-1].finish_reason if chunks else None))
         make = chat_response if chat else completion_response
-        return JSONResponse(make(rid, self.config.model_name, text_out, finish, run.usage()))
+        return JSONResponse(make(rid, self.config.model_name, choices, combined_usage(runs, prompt_tokens)))
+
+    def _room(self, body, prompt_ids: list[int], chat: bool, index: int | None) -> int:
+        """Tokens left for the completion after this prompt; a 400 when none, or fewer than asked."""
+        what = "prompt" if index is None else f"prompt {index}"
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
+            raise RequestError(400, f"{what} is {len(prompt_ids)} tokens; this model's maximum context "
+                                    f"length is {self.max_context} tokens", "messages" if chat else "prompt",
+                               "context_length_exceeded")
+        requested = body.max_completion_tokens or body.max_tokens
+        if requested is not None and requested > room:
+            param = body.max_tokens_param
+            raise RequestError(400, f"{what} ({len(prompt_ids)} tokens) + {param} ({requested}) exceeds "
+                                    f"this model's maximum context length of {self.max_context} tokens; "
+                                    f"lower {param} to at most {room}", param, "context_length_exceeded")
+        return room
 
     async def _parse(self, request: Request, model):
         raw = await request.body()
@@ -285,17 +307,22 @@ class Router:
         except RecursionError:
             raise RequestError(400, "request body is nested too deeply") from None
 
-    def _tokenize(self, body, chat: bool) -> tuple[list[int], str]:
+    def _tokenize(self, body, chat: bool) -> list[tuple[list[int], str]]:
+        """(token ids, text) of each prompt: a chat's one templated prompt, or each completion prompt."""
         if chat:
-            messages = [m.model_dump() for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"], text
-        if isinstance(body.prompt, str):
-            return self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"], body.prompt
+            text = self.tokenizer.apply_chat_template(template_messages(body.messages), tokenize=False,
+                                                      add_generation_prompt=True)
+            return [(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)]
+        out = []
         vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in body.prompt):
-            raise RequestError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
-        return list(body.prompt), self.tokenizer.decode(body.prompt)
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                out.append((self.tokenizer(prompt, add_special_tokens=False)["input_ids"], prompt))
+            elif any(t < 0 or t >= vocab for t in prompt):
+                raise RequestError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+            else:
+                out.append((list(prompt), self.tokenizer.decode(prompt)))
+        return out
 
     def _load(self) -> LoadSnapshot:
         replicas = load_registry().get("TargetServer", {})
@@ -336,21 +363,26 @@ class Router:
         self.metrics.record_decision("speculate" if decision.speculate else "plain", decision.reason)
         return decision
 
-    async def _sse(self, run: RequestRun, first: GenerateChunk, rid: str, chat: bool, with_provenance: bool):
+    async def _sse(self, runs: list[RequestRun], firsts: list[GenerateChunk], rid: str, chat: bool,
+                   with_provenance: bool, echoes: list[str] | None, prompt_tokens: int):
+        """Server-sent events: each choice's chunks as its run yields them (several choices
+        interleave, each chunk naming its choice's index), then the usage chunk."""
         model = self.config.model_name
-        is_first = True
+        started = [False] * len(runs)
         try:
-            async for chunk in run.chunks(first):
+            async for i, chunk in merged_chunks(runs, firsts):
                 prov = provenance(self.tokenizer, chunk) if with_provenance else None
+                text = chunk.text if started[i] or not echoes else echoes[i] + chunk.text
                 if chat:
-                    data = chat_chunk(rid, model, chunk.text, chunk.finish_reason, first=is_first, provenance=prov)
+                    data = chat_chunk(rid, model, text, chunk.finish_reason, first=not started[i], provenance=prov,
+                                      index=i)
                 else:
-                    data = completion_chunk(rid, model, chunk.text, chunk.finish_reason, provenance=prov)
-                is_first = False
+                    data = completion_chunk(rid, model, text, chunk.finish_reason, provenance=prov, index=i)
+                started[i] = True
                 yield f"data: {json.dumps(data)}\n\n"
             final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                      "created": int(time.time()), "model": model, "choices": [],
-                                     "usage": run.usage().model_dump()}
+                                     "usage": combined_usage(runs, prompt_tokens).model_dump()}
             yield f"data: {json.dumps(final)}\n\n"
         except RequestError as e:
             self.metrics.record_error(e.status)

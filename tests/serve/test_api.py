@@ -196,6 +196,29 @@ def test_stream_chat_concatenates(client: httpx.Client, speculation: str) -> Non
     check_speculation_usage(whole["usage"], mode, speculation)
 
 
+@pytest.mark.parametrize("speculation", ["on", "off"])
+def test_stream_several_choices(client: httpx.Client, speculation: str) -> None:
+    """n=2 over two prompts: four choices, prompt-major; each chunk carries one choice; each choice's
+    chunks concatenate to its non-streamed text and end with its finish reason; one usage chunk."""
+    prompts = [PROMPTS[0], PROMPTS[4]]
+    whole = complete(client, prompts, n=2, speculation=speculation)  # type: ignore[arg-type]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "speculation": speculation}
+    chunks, final = split_stream(sse_events(client, "/v1/completions", body))
+    assert all(len(c["choices"]) == 1 for c in chunks) and len({c["id"] for c in chunks + [final]}) == 1
+    for choice in whole["choices"]:
+        own = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(x["text"] for x in own) == choice["text"]
+        assert [x["finish_reason"] for x in own] == [None] * (len(own) - 1) + [choice["finish_reason"]]
+    alone = complete(client, prompts[0])["choices"][0]["text"]
+    assert whole["choices"][0]["text"] == whole["choices"][1]["text"] == alone  # greedy: each choice the same
+    assert final["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    mode = "speculative" if speculation == "on" else "plain"
+    check_speculation_usage(final["usage"], mode, speculation)
+    check_speculation_usage(whole["usage"], mode, speculation)
+
+
 def test_auto_is_the_default_and_explains_itself(client: httpx.Client) -> None:
     out = complete(client, PROMPTS[3])
     spec = out["usage"]["speculation"]

@@ -54,7 +54,9 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("model_as_number", C, completion(model=7), 400, "model", None),
     ("prompt_as_number", C, completion(prompt=42), 400, "prompt", None),
     ("prompt_as_object", C, completion(prompt={"text": "hi"}), 400, "prompt", None),
-    ("prompt_list_of_strings", C, completion(prompt=["a", "b"]), 400, "prompt", None),
+    ("prompt_list_mixed", C, completion(prompt=["a", 1]), 400, "prompt", None),
+    ("prompt_list_with_empty", C, completion(prompt=["a", ""]), 400, "prompt", None),
+    ("prompt_list_of_objects", C, completion(prompt=[{"text": "a"}]), 400, "prompt", None),
     ("temperature_as_string", C, completion(temperature="hot"), 400, "temperature", None),
     ("max_tokens_as_string", C, completion(max_tokens="many"), 400, "max_tokens", None),
     ("max_tokens_fractional", C, completion(max_tokens=1.5), 400, "max_tokens", None),
@@ -64,7 +66,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("max_tokens_zero", C, completion(max_tokens=0), 400, "max_tokens", None),
     ("max_tokens_huge", C, completion(max_tokens=10**9), 400, "max_tokens", "context_length_exceeded"),
     ("max_tokens_astronomical", C, completion(max_tokens=10**40), 400, "max_tokens", None),
-    ("max_completion_tokens_huge", CHAT, chat(max_completion_tokens=10**6), 400, "max_tokens",
+    ("max_completion_tokens_huge", CHAT, chat(max_completion_tokens=10**6), 400, "max_completion_tokens",
      "context_length_exceeded"),
     ("chat_max_tokens_negative", CHAT, chat(max_tokens=-1), 400, "max_tokens", None),
     # sampling parameters out of range
@@ -78,7 +80,16 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("top_p_above_one", C, completion(top_p=1.5), 400, "top_p", None),
     ("top_p_negative", C, completion(top_p=-0.5), 400, "top_p", None),
     ("chat_temperature_too_high", CHAT, chat(temperature=3), 400, "temperature", None),
-    ("n_two", C, completion(n=2), 400, "n", None),
+    # n, best_of, several prompts (MAX_N = 16 choices per prompt, 32 prompts, 32 generations)
+    ("n_zero", C, completion(n=0), 400, "n", None),
+    ("n_too_many", C, completion(n=17), 400, "n", None),
+    ("chat_n_too_many", CHAT, chat(n=100), 400, "n", None),
+    ("best_of_below_n", C, completion(n=3, best_of=2), 400, "best_of", None),
+    ("best_of_above_n", C, completion(best_of=2), 400, "best_of", None),  # ranking needs logprobs
+    ("chat_best_of", CHAT, chat(best_of=1), 400, "best_of", None),  # a completions field
+    ("too_many_prompts", C, completion(prompt=["a"] * 33), 400, "prompt", None),
+    ("too_many_generations", C, completion(prompt=["a", "b", "c"], n=16), 400, "prompt", None),
+    ("chat_echo", CHAT, chat(echo=True), 400, "echo", None),  # a completions field
     ("too_many_stops", C, completion(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
     # empty prompt / messages
     ("empty_prompt", C, completion(prompt=""), 400, "prompt", None),
@@ -92,6 +103,14 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("content_as_number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages.0.content", None),
     ("missing_content", CHAT, chat(messages=[{"role": "user"}]), 400, "messages.0.content", None),
     ("message_not_object", CHAT, chat(messages=["hi"]), 400, "messages.0", None),
+    ("tool_role", CHAT, chat(messages=[{"role": "tool", "content": "1", "tool_call_id": "c"}]), 400,
+     "messages.0.role", None),
+    ("image_part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]),
+     400, "messages.0.content", None),
+    ("text_part_without_text", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
+     "messages.0.content", None),
+    ("empty_part_list", CHAT, chat(messages=[{"role": "user", "content": []}]), 400, "messages.0.content", None),
     # unknown model
     ("unknown_model", C, completion(model="gpt-4"), 404, "model", "model_not_found"),
     ("chat_unknown_model", CHAT, chat(model="gpt-4"), 404, "model", "model_not_found"),
@@ -100,6 +119,10 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("prompt_longer_than_context", C, completion(prompt=LONG_TEXT), 400, "prompt", "context_length_exceeded"),
     ("token_ids_longer_than_context", C, completion(prompt=[5] * (CONTEXT + 1)), 400, "prompt",
      "context_length_exceeded"),
+    ("one_of_prompts_longer_than_context", C, completion(prompt=["def f():\n", LONG_TEXT]), 400, "prompt",
+     "context_length_exceeded"),
+    ("one_of_prompts_plus_max_tokens_over_context", C, completion(prompt=["a", NEAR_FULL_TEXT], max_tokens=100),
+     400, "max_tokens", "context_length_exceeded"),
     ("chat_longer_than_context", CHAT, chat(messages=[{"role": "user", "content": LONG_TEXT}]), 400,
      "messages", "context_length_exceeded"),
     ("prompt_plus_max_tokens_over_context", C, completion(prompt=NEAR_FULL_TEXT, max_tokens=100), 400,
@@ -110,6 +133,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("token_id_at_vocab_size", C, completion(prompt=[1, 2, VOCAB]), 400, "prompt", None),
     ("token_id_negative", C, completion(prompt=[1, -1]), 400, "prompt", None),
     ("token_id_huge", C, completion(prompt=[10**20]), 400, "prompt", None),
+    ("token_id_lists_outside_vocab", C, completion(prompt=[[1, 2], [3, VOCAB]]), 400, "prompt", None),
     # specserve's extension fields
     ("speculation_unknown_value", C, completion(speculation="maybe"), 400, "speculation", None),
     ("speculation_as_bool", C, completion(speculation=True), 400, "speculation", None),
@@ -203,7 +227,12 @@ def test_boundaries_are_accepted(client: httpx.Client) -> None:
                  completion(speculation="off"), chat(messages=[{"role": "system", "content": "s"},
                                                                {"role": "user", "content": "u"},
                                                                {"role": "assistant", "content": "a"},
-                                                               {"role": "user", "content": "again"}])):
+                                                               {"role": "user", "content": "again"}]),
+                 completion(n=16, max_tokens=1), completion(prompt=["a"] * 32, max_tokens=1),
+                 completion(prompt=[[1, 2]] * 2, n=16, max_tokens=1), completion(n=2, best_of=2, max_tokens=1),
+                 chat(n=16, max_tokens=1),
+                 chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "d"}]},
+                                {"role": "user", "content": [{"type": "text", "text": "u"}]}])):
         path = CHAT if "messages" in body else C
         r = client.post(path, json=body)
         assert r.status_code == 200, (body if len(json.dumps(body)) < 300 else "long body", r.text)

@@ -88,6 +88,25 @@ def test_non_streaming_client_timeout_frees_caches(app: str) -> None:
                "caches freed after the client gave up")
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_several_choices_all_stop_when_the_client_leaves(app: str, stream: bool) -> None:
+    """n=3 (three sequences for one request): a hang-up stops and frees every one of them."""
+    request = {**body(stream=stream), "n": 3, "temperature": 0.8, "seed": 1}
+    with httpx.Client(trust_env=False, timeout=120) as client:
+        if stream:
+            with client.stream("POST", f"{app}/v1/completions", json=request) as r:
+                assert r.status_code == 200
+                for n, _line in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
+                    if n == 6:
+                        wait_until(lambda s: s["target"] == 3 and s["router_in_flight"] == 3, 30, "3 sequences")
+                        break
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(f"{app}/v1/completions", json=request, timeout=httpx.Timeout(30, read=1.5))
+    wait_until(lambda s: s == {"target": 0, "draft": 0, "router_in_flight": 0}, 2 * FREED_WITHIN_S,
+               "every choice's sequence freed")
+
+
 def test_many_disconnects_leave_nothing_behind(app: str) -> None:
     async def hang_up(i: int) -> None:
         async with httpx.AsyncClient(trust_env=False, timeout=120) as client:

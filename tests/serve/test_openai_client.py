@@ -134,3 +134,116 @@ def test_defaults_of_unimplemented_fields_keep_working(client) -> None:
                                          store=False, extra_body={"tools": None})
     plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     assert out.choices[0].message.content == plain.choices[0].message.content
+
+
+# ---- n, best_of, several prompts, echo, text parts, developer role (issue 48) --------------------
+def _by_index(chunks, chat: bool = False) -> dict[int, str]:
+    """Each choice's streamed text, by choice index."""
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            piece = (choice.delta.content or "") if chat else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + piece
+    return texts
+
+
+def _finishes(chunks) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.finish_reason is not None:
+                out.setdefault(choice.index, []).append(choice.finish_reason)
+    return out
+
+
+def test_n_choices_are_seeded_per_choice(client) -> None:
+    """n=3 with a seed: choice i is the n=1 request with seed + i (reproducible, and not 3 copies)."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=11)
+    out = client.completions.create(n=3, **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    texts = [c.text for c in out.choices]
+    for i, text in enumerate(texts):
+        assert text == client.completions.create(**{**kw, "seed": 11 + i}).choices[0].text
+    assert len(set(texts)) > 1, texts
+    assert out.usage.completion_tokens == sum(
+        client.completions.create(**{**kw, "seed": 11 + i}).usage.completion_tokens for i in range(3))
+    assert out.usage.prompt_tokens == client.completions.create(**kw).usage.prompt_tokens  # counted once
+    chunks = list(client.completions.create(n=3, stream=True, **kw))
+    assert _by_index(chunks) == dict(enumerate(texts))
+    assert all(len(f) == 1 for f in _finishes(chunks).values()) and set(_finishes(chunks)) == {0, 1, 2}
+
+
+def test_chat_n_choices_stream(client) -> None:
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0.9, seed=3, n=2)
+    whole = client.chat.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert _by_index(chunks, chat=True) == {c.index: c.message.content for c in whole.choices}
+    roles = [(ch.index, ch.delta.role) for c in chunks for ch in c.choices if ch.delta.role]
+    assert sorted(roles) == [(0, "assistant"), (1, "assistant")]  # each choice's first delta
+
+
+def test_list_of_prompts_is_prompt_major(client) -> None:
+    prompts = [PROMPT, "class Stack:\n    def __init__(self):\n"]
+    single = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text
+              for p in prompts]
+    out = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=10, temperature=0)
+    assert [c.text for c in out.choices] == [single[0], single[0], single[1], single[1]]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"speculation": "on"}))
+    assert _by_index(chunks) == {0: single[0], 1: single[0], 2: single[1], 3: single[1]}
+    assert all(len(f) == 1 for f in _finishes(chunks).values())
+
+
+def test_prompts_as_token_id_lists(client) -> None:
+    from transformers import AutoTokenizer
+
+    texts = [PROMPT, "import os\n"]
+    by_text = client.completions.create(model=MODEL, prompt=texts, max_tokens=8, temperature=0)
+    tok = AutoTokenizer.from_pretrained("models/target")  # the served target's tokenizer
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert [c.text for c in by_ids.choices] == [c.text for c in by_text.choices]
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == sum(map(len, ids))
+
+
+def test_echo(client) -> None:
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                    echo=True, stream=True) if c.choices]
+    assert chunks[0].choices[0].text.startswith(PROMPT)  # the prompt rides in the first chunk
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+def test_best_of_equal_to_n_and_refused_above(client) -> None:
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert len(client.completions.create(n=2, best_of=2, **kw).choices) == 2
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(best_of=3, **kw)
+    assert bad.value.param == "best_of" and "not supported yet" in bad.value.message
+
+
+def test_chat_text_parts_and_developer_role(client) -> None:
+    kw = dict(model=MODEL, max_tokens=12, temperature=0)
+    system = [{"role": "system", "content": "You write Python.\nBe brief."}, MESSAGES[0]]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "You write Python."},
+                                               {"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": MESSAGES[0]["content"]}]}]
+    want = client.chat.completions.create(messages=system, **kw)
+    got = client.chat.completions.create(messages=parts, **kw)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+def test_max_completion_tokens_and_stop(client) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    cut = "\n" if "\n" in free.strip() else free.strip()[len(free.strip()) // 2]  # met inside the continuation
+    for stop in (cut, [cut, "\x00never"]):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
+        assert out.choices[0].text == free[:free.index(cut)] and out.choices[0].finish_reason == "stop", stop
