@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.openai_protocol import (
-    NOT_SUPPORTED, NOT_SUPPORTED_YET, ChatCompletionRequest, CompletionRequest, ResponseFormat,
+    NOT_SUPPORTED, NOT_SUPPORTED_YET, ChatCompletionRequest, CompletionRequest, ResponseFormat, template_messages,
 )
 
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "def f():\n"}
@@ -148,3 +148,60 @@ def test_tables_name_declared_fields() -> None:
     assert set(NOT_SUPPORTED_YET) <= declared
     assert set(NOT_SUPPORTED) <= declared
     assert NOT_SUPPORTED_YET["response_format"] == (ResponseFormat(type="text"),)
+
+
+# ---- n, best_of, several prompts, echo, text parts, developer role --------------------------------
+def test_choice_seeds_are_seed_plus_index() -> None:
+    req = completion(n=3, seed=41, temperature=0.7)
+    assert [req.sampling(16, choice=i).seed for i in range(3)] == [41, 42, 43]
+    assert req.sampling(16) == completion(seed=41, temperature=0.7).sampling(16)  # choice 0 = the n=1 request
+    assert completion(n=2).sampling(16, choice=1).seed is None  # unseeded: each choice draws its own
+    assert completion(n=2, seed=2**63 - 1).sampling(16, choice=1).seed == 0  # wraps inside the range
+
+
+def test_prompts_text_ids_and_lists() -> None:
+    assert completion(prompt="a").prompts() == ["a"]
+    assert completion(prompt=[5, 6]).prompts() == [[5, 6]]
+    assert completion(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert completion(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    for bad in ([], [""], ["a", ""], [[]], ["a", 1], [{"text": "a"}]):
+        assert refusal(completion, prompt=bad)["loc"][0] == "prompt", bad
+    assert "at most 32 prompts" in refusal(completion, prompt=["a"] * 33)["msg"]
+    assert "generations" in refusal(completion, prompt=["a", "b", "c"], n=11)["msg"]
+    completion(prompt=["a"] * 2, n=16)  # 32 generations: the limit
+
+
+def test_n_and_best_of() -> None:
+    assert refusal(completion, n=0)["loc"] == ("n",)
+    assert refusal(chat, n=17)["loc"] == ("n",)
+    assert completion(n=3, best_of=3).best_of == 3
+    assert refusal(completion, n=3, best_of=2)["loc"] == ("best_of",)
+    err = refusal(completion, best_of=2)
+    assert err["loc"] == ("best_of",) and err["type"] == "not_supported_yet"
+
+
+def test_echo_is_a_completions_field() -> None:
+    assert completion(echo=True).echo and not completion().echo
+    assert refusal(chat, echo=True)["type"] == "extra_forbidden"
+
+
+def test_chat_text_parts_and_developer_role() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = chat(messages=[{"role": "developer", "content": parts}, {"role": "user", "content": "q"}])
+    assert template_messages(req.messages) == [{"role": "system", "content": "a\nb"}, {"role": "user", "content": "q"}]
+    err = refusal(chat, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert err["loc"] == ("messages", 0, "content") and err["type"] == "not_supported" and "image_url" in err["msg"]
+    assert refusal(chat, messages=[{"role": "user", "content": []}])["loc"] == ("messages", 0, "content")
+    assert refusal(chat, messages=[{"role": "tool", "content": "1"}])["loc"] == ("messages", 0, "role")
+
+
+def test_max_tokens_param_names_the_field_that_set_it() -> None:
+    assert chat(max_completion_tokens=5, max_tokens=9).sampling(16).max_tokens == 5
+    assert chat(max_completion_tokens=5).max_tokens_param == "max_completion_tokens"
+    assert chat(max_tokens=5).max_tokens_param == "max_tokens"
+
+
+def test_stop_as_string_or_list() -> None:
+    assert completion(stop="\n").sampling(16).stop == ("\n",)
+    assert completion(stop=["a", "", "b"]).sampling(16).stop == ("a", "b")
+    assert refusal(completion, stop=["a"] * 5)["loc"] == ("stop",)
