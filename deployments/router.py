@@ -7,6 +7,7 @@ that dies mid-request is replaced transparently: the request is re-issued to ano
 the prompt plus every token already streamed, so the stream continues where it stopped.
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api_key import ApiKeys, is_open_path
 from app.config import AppConfig
+from app.health import ProbeSettings, TargetHealth
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import load_tokenizer
 from app.openai_protocol import (
@@ -151,13 +153,74 @@ class Router:
         self.in_flight = 0
         self.failovers = 0  # target replica failures survived by re-issuing (RequestRun)
         self.active_runs: set[RequestRun] = set()
+        # Does a target replica answer? A background probe (app/health.py), started on the event
+        # loop by the first /health or Serve health check.
+        self.target_health = TargetHealth(ProbeSettings.from_env())
+        self._probe_loop_task: asyncio.Task | None = None
+        self._probe_task: asyncio.Task | None = None
+
+    # ---- health ------------------------------------------------------------------------
+    def _ensure_probing(self) -> None:
+        if self._probe_loop_task is None or self._probe_loop_task.done():
+            self._probe_loop_task = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await self._probe()
+            await asyncio.sleep(self.target_health.settings.probe_period_s)
+
+    async def _probe(self) -> None:
+        """One probe at a time, shared by whoever asks (the loop, a /health before any answer)."""
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_once())
+        await asyncio.shield(self._probe_task)
+
+    async def _probe_once(self) -> None:
+        health = self.target_health
+        response = self.target.check_health.remote()
+        try:
+            async with asyncio.timeout(health.settings.probe_timeout_s):
+                await response
+            health.record_answered(time.monotonic())
+        except TimeoutError:
+            response.cancel()
+            if self._targets_publishing():
+                health.record_busy(time.monotonic())  # every request slot taken by streams: alive
+            else:
+                health.record_failure(time.monotonic(), f"no target replica answered within "
+                                                        f"{health.settings.probe_timeout_s:g}s")
+        except Exception as e:  # noqa: BLE001 — any failure to reach a healthy target is the answer
+            cause = getattr(e, "cause", None) or e  # a RayTaskError carries the target's own exception
+            health.record_failure(time.monotonic(), f"{type(e).__name__}: {type(cause).__name__}: "
+                                                    f"{str(cause).splitlines()[0][:300] if str(cause) else ''}")
+
+    def _targets_publishing(self) -> bool:
+        """A target replica published routing stats lately (Serve's controller polls them past the
+        request queue; the probe's routing attempt refreshed this router's copy)."""
+        now = time.time()
+        replicas = load_registry().get(self.target.deployment_id.name, {})
+        return any(now - float(stats.get("time", 0.0)) <= STATS_FRESH_S for stats, _seen in replicas.values() if stats)
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check of this router: failed once no target replica has
+        answered for down_after_s (after one did), so the Router deployment shows the outage."""
+        self._ensure_probing()
+        now = time.monotonic()
+        if self.target_health.down(now):
+            raise RuntimeError(f"no target replica answered for {now - self.target_health.last_ok:.0f}s "
+                               f"(last probe: {self.target_health.last_result})")
 
     # ---- routes ----------------------------------------------------------------------
     @fastapi_app.get("/health")
     async def health(self) -> JSONResponse:
-        # Serve routes traffic here only after __init__ (tokenizer) and the targets' health
-        # checks pass; a target replica answers only once its model is loaded.
-        return JSONResponse({"status": "ok", "model": self.config.model_name})
+        """200 while a target replica answers the router's probe, 503 otherwise (app/health.py)."""
+        self._ensure_probing()
+        if self.target_health.probes == 0:
+            await self._probe()  # the first caller waits for the first answer rather than a guess
+        now = time.monotonic()
+        ready = self.target_health.ready(now)
+        return JSONResponse({"status": "ok" if ready else "unhealthy", "model": self.config.model_name,
+                             "target": self.target_health.describe(now)}, status_code=200 if ready else 503)
 
     @fastapi_app.get("/v1/models")
     async def models(self) -> JSONResponse:

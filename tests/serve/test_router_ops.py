@@ -2,11 +2,16 @@
 (no model loads: the router's tokenizer only, so this module is cheap):
 - the optional API key: the key reaches the router replica through its environment (here a Ray
   runtime_env; on Kubernetes a Secret), never the config; 401 with OpenAI's error JSON without it,
-  through the official openai client too; /health stays open; a key file rotates in place.
+  through the official openai client too; /health stays open; a key file rotates in place;
+- real health: GET /health answers 503 while no target replica answers the router's probe and
+  200 again once one does; a target whose request slots are all taken is busy, not down; the
+  router's Serve check_health fails once targets stay silent (probe timings shortened through
+  the router's environment, app/health.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
@@ -30,7 +35,7 @@ def _stub_target():
 
     from deployments.request_router import AffinityRequestRouter
 
-    @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=60,
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=60, max_ongoing_requests=1,
                       request_router_config=RequestRouterConfig(request_router_class=AffinityRequestRouter,
                                                                 request_routing_stats_period_s=1.0,
                                                                 request_routing_stats_timeout_s=3.0))
@@ -47,6 +52,10 @@ def _stub_target():
         def record_routing_stats(self) -> dict[str, Any]:
             return {"running": 0, "waiting": 0, "max_num_seqs": 16, "time": time.time()}
 
+        async def hold(self, seconds: float) -> None:
+            """Takes the replica's only request slot (max_ongoing_requests=1), like a long stream."""
+            await asyncio.sleep(seconds)
+
     return StubTarget
 
 
@@ -61,7 +70,9 @@ def ops_app(ray_cluster: int) -> Iterator[dict[str, Any]]:
     key_file.write_text("sk-from-file-1\n")
     down_flag = tmp / "target-down"
     target = _stub_target().bind(str(down_flag))
-    env = {ENV_KEY: KEY, ENV_KEY_FILE: str(key_file)}
+    env = {ENV_KEY: KEY, ENV_KEY_FILE: str(key_file), "SPECSERVE_TARGET_PROBE_PERIOD_S": "0.5",
+           "SPECSERVE_TARGET_PROBE_TIMEOUT_S": "2", "SPECSERVE_TARGET_READY_WITHIN_S": "3",
+           "SPECSERVE_TARGET_DOWN_AFTER_S": "4"}
     router = Router.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(
         LOCAL_ARGS, target)
     serve.run(router, name=APP_NAME, route_prefix="/", blocking=False)
@@ -122,3 +133,73 @@ def test_api_key_file_rotates_in_place(ops_app: dict[str, Any]) -> None:
     assert httpx.get(f"{url}/v1/models", headers=_auth("sk-from-file-1"), timeout=10).status_code == 401
     assert httpx.get(f"{url}/v1/models", headers=_auth("sk-from-file-2"), timeout=10).status_code == 200
     assert httpx.get(f"{url}/v1/models", headers=_auth(KEY), timeout=10).status_code == 200  # the env key
+
+
+def _health(url: str) -> httpx.Response:
+    return httpx.get(f"{url}/health", timeout=10)
+
+
+def _wait_health(url: str, status: int, within_s: float = 20.0) -> httpx.Response:
+    deadline = time.monotonic() + within_s
+    while True:
+        r = _health(url)
+        if r.status_code == status or time.monotonic() > deadline:
+            return r
+        time.sleep(0.25)
+
+
+def _router_check(handle) -> Exception | None:
+    try:
+        handle.check_health.remote().result(timeout_s=30)
+    except Exception as e:  # noqa: BLE001 — the router's RuntimeError, wrapped by Ray
+        return e
+    return None
+
+
+def test_health_follows_the_target(ops_app: dict[str, Any]) -> None:
+    from ray import serve
+
+    url, flag = ops_app["url"], ops_app["down_flag"]
+    router = serve.get_deployment_handle("Router", APP_NAME)
+    r = _health(url)
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "ok" and r.json()["target"]["last_result"] == "answered"
+    assert _router_check(router) is None
+
+    flag.touch()  # the target's check now raises: no target replica answers healthy
+    try:
+        r = _wait_health(url, 503)
+        assert r.status_code == 503, r.text
+        body = r.json()
+        assert body["status"] == "unhealthy" and "stub target is down" in body["target"]["last_result"]
+        time.sleep(4.5)  # SPECSERVE_TARGET_DOWN_AFTER_S: the router itself now fails its check
+        err = _router_check(router)
+        assert err is not None and "no target replica answered" in str(err), err
+    finally:
+        flag.unlink()
+    r = _wait_health(url, 200)
+    assert r.status_code == 200 and r.json()["target"]["last_result"] == "answered", r.text
+    assert _router_check(router) is None
+
+
+def test_health_busy_target_is_not_down(ops_app: dict[str, Any]) -> None:
+    from ray import serve
+
+    url = ops_app["url"]
+    target = serve.get_deployment_handle("StubTarget", APP_NAME)
+    held = target.hold.remote(8.0)  # the only slot is taken: the probe queues and times out
+    try:
+        deadline = time.monotonic() + 7
+        seen = set()
+        while time.monotonic() < deadline:
+            r = _health(url)
+            assert r.status_code == 200, r.text  # never 503 while the target is merely busy
+            seen.add(r.json()["target"]["last_result"])
+            time.sleep(0.25)
+        assert "busy" in seen, seen
+    finally:
+        held.result(timeout_s=30)
+    deadline = time.monotonic() + 10  # the slot is free again: the next probe is answered
+    while (last := _health(url).json()["target"]["last_result"]) != "answered" and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert last == "answered"
