@@ -19,8 +19,11 @@ A null is the same as leaving the field out (except for the required `model`, `p
 Extensions in the request body:
   speculation: "auto" | "on" | "off"   — "auto" lets the router's policy decide
   num_speculative_tokens: int           — depth when speculating (forces "on" under "auto")
-  return_provenance: bool               — stream chunks carry per-token origin (playground)
-The response's `usage.speculation` says what was done and why.
+  return_provenance: bool               — stream chunks carry per-token origin (playground), and
+                                          the stream closes with the usage chunk unless
+                                          stream_options.include_usage is false
+The response's `usage.speculation` says what was done and why; a stream sends its usage chunk
+only when asked (stream_options.include_usage, or return_provenance).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class ResponseFormat(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # the stream closes with a usage chunk (see _Request.usage_in_stream)
     include_obfuscation: bool = True  # OpenAI's padding of stream events; nothing to pad here
 
 
@@ -185,6 +188,15 @@ class _Request(_Strict):
         if any(len(s) > MAX_STOP_LENGTH for s in stops):
             raise ValueError(f"stop sequences are limited to {MAX_STOP_LENGTH} characters")
         return [s for s in stops if s]
+
+    def usage_in_stream(self) -> bool:
+        """Whether a stream closes with the usage chunk (our usage.speculation rides in it): when
+        stream_options.include_usage is true, as OpenAI's API. specserve's `return_provenance`
+        asks for it too (its readers, the playground and bench.load, read both), unless
+        include_usage says false."""
+        if self.stream_options is not None and "include_usage" in self.stream_options.model_fields_set:
+            return self.stream_options.include_usage
+        return self.return_provenance
 
     @property
     def max_tokens_param(self) -> str:

@@ -310,8 +310,8 @@ class Router:
                 firsts = await admit(runs)
             except RequestError as e:
                 return e.response()
-            return StreamingResponse(self._sse(runs, firsts, rid, chat, body.return_provenance, echoes, prompt_tokens),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._sse(runs, firsts, rid, chat, body.return_provenance, echoes, prompt_tokens,
+                                               body.usage_in_stream()), media_type="text/event-stream")
         try:
             outputs = await collect(runs)
         except RequestError as e:
@@ -427,9 +427,10 @@ class Router:
         return decision
 
     async def _sse(self, runs: list[RequestRun], firsts: list[GenerateChunk], rid: str, chat: bool,
-                   with_provenance: bool, echoes: list[str] | None, prompt_tokens: int):
+                   with_provenance: bool, echoes: list[str] | None, prompt_tokens: int, include_usage: bool):
         """Server-sent events: each choice's chunks as its run yields them (several choices
-        interleave, each chunk naming its choice's index), then the usage chunk."""
+        interleave, each chunk naming its choice's index), then the usage chunk when asked (as
+        OpenAI's, the other chunks then carry "usage": null)."""
         model = self.config.model_name
         started = [False] * len(runs)
         try:
@@ -441,12 +442,15 @@ class Router:
                                       index=i)
                 else:
                     data = completion_chunk(rid, model, text, chunk.finish_reason, provenance=prov, index=i)
+                if include_usage:
+                    data["usage"] = None
                 started[i] = True
                 yield f"data: {json.dumps(data)}\n\n"
-            final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                     "created": int(time.time()), "model": model, "choices": [],
-                                     "usage": combined_usage(runs, prompt_tokens).model_dump()}
-            yield f"data: {json.dumps(final)}\n\n"
+            if include_usage:
+                final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                         "created": int(time.time()), "model": model, "choices": [],
+                                         "usage": combined_usage(runs, prompt_tokens).model_dump()}
+                yield f"data: {json.dumps(final)}\n\n"
         except RequestError as e:
             self.metrics.record_error(e.status)
             yield f"data: {json.dumps(error_body(e.message, e.type_, e.param, e.code))}\n\n"

@@ -26,6 +26,7 @@ PROMPTS = [
     "for index, value in enumerate(items):\n",
     "The quick brown fox",
 ]
+USAGE = {"stream_options": {"include_usage": True}}  # a stream closes with the usage chunk only when asked
 CHAT = [{"role": "system", "content": "You write Python."},
         {"role": "user", "content": "Write a function that reverses a list."}]
 
@@ -162,7 +163,7 @@ def test_prompt_as_token_ids_equals_text_prompt(client: httpx.Client, core) -> N
 @pytest.mark.parametrize("speculation", ["on", "off"])
 def test_stream_completion_concatenates(client: httpx.Client, speculation: str) -> None:
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "speculation": speculation}
+            "speculation": speculation, **USAGE}
     whole = complete(client, PROMPTS[2], speculation=speculation)
     chunks, final = split_stream(sse_events(client, "/v1/completions", body))
     assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
@@ -178,7 +179,7 @@ def test_stream_completion_concatenates(client: httpx.Client, speculation: str) 
 @pytest.mark.parametrize("speculation", ["on", "off"])
 def test_stream_chat_concatenates(client: httpx.Client, speculation: str) -> None:
     body = {"model": MODEL, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "speculation": speculation}
+            "speculation": speculation, **USAGE}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     whole = r.json()
@@ -204,7 +205,7 @@ def test_stream_several_choices(client: httpx.Client, speculation: str) -> None:
     whole = complete(client, prompts, n=2, speculation=speculation)  # type: ignore[arg-type]
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
     body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "speculation": speculation}
+            "speculation": speculation, **USAGE}
     chunks, final = split_stream(sse_events(client, "/v1/completions", body))
     assert all(len(c["choices"]) == 1 for c in chunks) and len({c["id"] for c in chunks + [final]}) == 1
     for choice in whole["choices"]:
@@ -217,6 +218,28 @@ def test_stream_several_choices(client: httpx.Client, speculation: str) -> None:
     mode = "speculative" if speculation == "on" else "plain"
     check_speculation_usage(final["usage"], mode, speculation)
     check_speculation_usage(whole["usage"], mode, speculation)
+
+
+@pytest.mark.parametrize(("extra", "usage"), [
+    ({}, False),
+    ({"stream_options": {"include_usage": False}}, False),
+    ({"stream_options": {"include_usage": None}}, False),
+    ({"stream_options": {"include_usage": True}}, True),
+    ({"return_provenance": True}, True),  # specserve's playground and bench.load read both
+    ({"return_provenance": True, "stream_options": {"include_usage": False}}, False),
+], ids=["default", "false", "null", "true", "provenance", "provenance_but_false"])
+def test_usage_chunk_only_when_asked(client: httpx.Client, extra: dict, usage: bool) -> None:
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, **extra}
+    events = sse_events(client, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    with_usage = [p for p in payloads if p.get("usage") is not None]
+    if usage:
+        assert len(with_usage) == 1 and with_usage[0] is payloads[-1] and payloads[-1]["choices"] == []
+        assert payloads[-1]["usage"]["speculation"]["mode"] in ("speculative", "plain")
+        assert all("usage" in p and p["usage"] is None for p in payloads[:-1])  # OpenAI's: null on the others
+    else:
+        assert not with_usage and all(p["choices"] and "usage" not in p for p in payloads)
 
 
 def test_auto_is_the_default_and_explains_itself(client: httpx.Client) -> None:

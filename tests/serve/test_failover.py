@@ -37,7 +37,8 @@ def app(ray_cluster: int) -> Iterator[str]:
 def body(i: int) -> dict:
     # ignore_eos: every request runs MAX_TOKENS tokens, long enough to be killed mid-stream
     return {"model": "specserve-embedded", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "speculation": "on", "num_speculative_tokens": 4, "ignore_eos": True, "stream": i % 2 == 1}
+            "speculation": "on", "num_speculative_tokens": 4, "ignore_eos": True, "stream": i % 2 == 1,
+            "stream_options": {"include_usage": True}}
 
 
 def router_state() -> dict:

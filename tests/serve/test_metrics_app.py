@@ -44,7 +44,8 @@ def app() -> Iterator[AppProcess]:
 def _complete(client: httpx.Client, url: str, prompt: str, speculation: str, max_tokens: int,
               stream: bool = False) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "speculation": speculation, "ignore_eos": True, "stream": stream}
+            "speculation": speculation, "ignore_eos": True, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
     if not stream:
         r = client.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text

@@ -83,7 +83,8 @@ def test_chat_stream(client) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
                                            extra_body=SPEC_K3)
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
-                                                 stream=True, extra_body=SPEC_K3))
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=SPEC_K3))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
@@ -91,6 +92,16 @@ def test_chat_stream(client) -> None:
     assert len(usage) == 1
     spec = speculation(usage[0])
     assert spec["mode"] == "speculative" and spec["k"] == 3
+
+
+def test_no_usage_chunk_unless_asked(client) -> None:
+    for create, kw in ((client.completions.create, {"prompt": PROMPT}),
+                       (client.chat.completions.create, {"messages": MESSAGES})):
+        chunks = list(create(model=MODEL, max_tokens=8, temperature=0, stream=True, **kw))
+        assert chunks and all(c.usage is None and c.choices for c in chunks)
+        chunks = list(create(model=MODEL, max_tokens=8, temperature=0, stream=True,
+                             stream_options={"include_usage": False}, **kw))
+        assert all(c.usage is None for c in chunks)
 
 
 def test_errors_map_to_client_exceptions(client) -> None:

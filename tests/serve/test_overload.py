@@ -41,7 +41,8 @@ def app(ray_cluster: int) -> Iterator[str]:
 
 def body(i: int, max_tokens: int) -> dict:
     return {"model": "specserve-embedded", "prompt": f"def handler_{i}(event):\n", "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0, "speculation": ["on", "off", "auto"][i % 3]}
+            "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0, "speculation": ["on", "off", "auto"][i % 3],
+            "stream_options": {"include_usage": True}}
 
 
 async def burst(base: str, n: int, max_tokens: int) -> list[Result]:

@@ -135,7 +135,8 @@ def _raw_chunks(app_url: str, path: str, body: dict[str, Any]) -> list[dict[str,
     ("/v1/chat/completions", {"messages": MESSAGES}),
 ])
 def test_no_provenance_unless_asked(app_url: str, client, path: str, body: dict[str, Any]) -> None:
-    base = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stream": True, "speculation": "on", **body}
+    base = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stream": True, "speculation": "on",
+            "stream_options": {"include_usage": True}, **body}
     for flag in (None, False):
         request = dict(base) if flag is None else {**base, "return_provenance": flag}
         chunks = _raw_chunks(app_url, path, request)

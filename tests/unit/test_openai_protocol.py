@@ -205,3 +205,15 @@ def test_stop_as_string_or_list() -> None:
     assert completion(stop="\n").sampling(16).stop == ("\n",)
     assert completion(stop=["a", "", "b"]).sampling(16).stop == ("a", "b")
     assert refusal(completion, stop=["a"] * 5)["loc"] == ("stop",)
+
+
+def test_usage_chunk_only_when_asked() -> None:
+    assert not completion(stream=True).usage_in_stream()
+    assert completion(stream=True, stream_options={"include_usage": True}).usage_in_stream()
+    assert not chat(stream=True, stream_options={"include_usage": False}).usage_in_stream()
+    assert not chat(stream=True, stream_options={"include_usage": None}).usage_in_stream()  # null = not given
+    # specserve's return_provenance asks for it too (the playground and bench.load read both) ...
+    assert completion(stream=True, return_provenance=True).usage_in_stream()
+    # ... unless include_usage says otherwise
+    assert not completion(stream=True, return_provenance=True,
+                          stream_options={"include_usage": False}).usage_in_stream()
