@@ -57,10 +57,12 @@ class RequestRun:
     """One request's life across target replicas: streams chunks, fails over, accounts usage."""
 
     def __init__(self, router: "Router", request: GenerateRequest, decision: SpeculationDecision,
-                 requested: str, prompt_class: str, shares_request: bool = False) -> None:
+                 requested: str, prompt_class: str, shares_request: bool = False, count_prompt: bool = True) -> None:
         self.router, self.request, self.decision = router, request, decision
         self.requested, self.prompt_class = requested, prompt_class
         self.shares_request = shares_request  # one of several runs of one HTTP request (n > 1, prompts)
+        self.count_prompt = count_prompt  # the prompt's first choice: its tokens count once (n > 1)
+        self.failovers = 0
         self.tokens: list[int] = []
         self.stats = AcceptanceStats()
         self.started = time.monotonic()
@@ -129,6 +131,7 @@ class RequestRun:
         finally:
             if not self.finished and not self.failed:
                 self.router.metrics.record_finished("abort")  # the client went away / cancelled
+            self._log_end()
             self.router.in_flight -= 1
             self.router.active_runs.discard(self)
             self._cancel()  # client gone or done: the target frees the sequence
@@ -171,10 +174,11 @@ class RequestRun:
                 # ActorDiedError / ActorUnavailableError (both RayActorError) when a replica dies
                 # mid-stream; RayTaskError when its engine failed the step
                 failures += 1
+                self.failovers += 1
                 self.router.failovers += 1
                 self.router.metrics.record_failover()
                 log.warning("target replica failed mid-request (%s); re-issuing with %d streamed tokens",
-                            type(e).__name__, len(self.tokens))
+                            type(e).__name__, len(self.tokens), extra=self.log_extra())
                 if failures > MAX_FAILOVERS:
                     raise RequestError(503, "target replicas keep failing; retry later", type_="server_error",
                                        headers={"Retry-After": "5"}) from e
@@ -189,7 +193,8 @@ class RequestRun:
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.observe_ttft(now - self.started)
-                metrics.record_prompt_tokens(len(self.request.prompt_ids))
+                if self.count_prompt:
+                    metrics.record_prompt_tokens(len(self.request.prompt_ids))
             else:
                 metrics.observe_itl(now - self.last_token_at)
             self.last_token_at = now
@@ -207,6 +212,24 @@ class RequestRun:
             self.router.policy.observe_finished(self.prompt_class, len(self.tokens), chunk.finish_reason)
             if self.first_token_at is not None and len(self.tokens) > 1:
                 self.router.metrics.observe_tpot((time.monotonic() - self.first_token_at) / (len(self.tokens) - 1))
+
+    def log_extra(self) -> dict[str, Any]:
+        """Fields of this run's log records: Serve's JSON logs put them beside its request_id."""
+        completion_id, choice = self.request.request_id, 0
+        if self.shares_request:  # "<completion id>-<choice>"
+            completion_id, _, index = completion_id.rpartition("-")
+            choice = int(index) if index.isdigit() else 0
+        return {"completion_id": completion_id, "choice": choice}
+
+    def _log_end(self) -> None:
+        now = time.monotonic()
+        outcome = "error" if self.failed else ("finished" if self.finished else "abort")
+        log.info("completion %s %s: %d prompt + %d completion tokens in %.3fs (first token %s), %d failovers",
+                 self.log_extra()["completion_id"], outcome, len(self.request.prompt_ids), len(self.tokens),
+                 now - self.started, "none" if self.first_token_at is None else
+                 f"{self.first_token_at - self.started:.3f}s", self.failovers,
+                 extra={**self.log_extra(), "outcome": outcome, "completion_tokens": len(self.tokens),
+                        "e2e_s": round(now - self.started, 4), "target_replica": self.replica})
 
     def usage(self) -> Usage:
         s, d = self.stats, self.decision

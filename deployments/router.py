@@ -302,9 +302,13 @@ class Router:
                                       self.config.engine.limits.request_timeout_s, adaptive=adaptive,
                                       alpha_prior=decision.alpha)
                 runs.append(RequestRun(self, gen, decision, body.speculation, classify_prompt(text, chat=chat),
-                                       shares_request=len(prompts) * body.n > 1))
+                                       shares_request=len(prompts) * body.n > 1, count_prompt=j == 0))
         echoes = [text for _, text in prompts for _ in range(body.n)] if not chat and body.echo else None
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        # one line per request: Serve's JSON log record carries its request_id beside completion_id
+        log.info("completion %s: %d prompt tokens, %d choice(s), speculation %s, stream=%s", rid, prompt_tokens,
+                 len(runs), ",".join(sorted({r.decision.reason for r in runs})), bool(body.stream),
+                 extra={"completion_id": rid, "prompt_tokens": prompt_tokens, "choices": len(runs)})
         if body.stream:
             try:
                 firsts = await admit(runs)

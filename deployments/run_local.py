@@ -18,6 +18,7 @@ import urllib.request
 import ray
 from ray import serve
 
+from app.config import load_yaml
 from deployments.builder import build_app, parse_args
 
 CURL = """curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -43,6 +44,13 @@ def start_ray(metrics_export_port: int, dashboard_port: int = 8265, num_cpus: in
              _metrics_export_port=metrics_export_port, num_cpus=num_cpus, log_to_driver=False)
 
 
+def serve_config_logging(path: str) -> dict | None:
+    """The application's `logging_config` in a Serve config file (None for a plain AppConfig file):
+    `serve deploy` applies it; `serve.run` here must be given it."""
+    data = load_yaml(path)
+    return data["applications"][0].get("logging_config") if "applications" in data else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/local.yaml")
@@ -53,7 +61,8 @@ def main() -> None:
     config = parse_args({"config": args.config})
     start_ray(args.metrics_export_port)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-    serve.run(build_app(config.model_dump(mode="json")), name="specserve", route_prefix="/", blocking=False)
+    serve.run(build_app(config.model_dump(mode="json")), name="specserve", route_prefix="/", blocking=False,
+              logging_config=serve_config_logging(args.config))
     wait_healthy("http://127.0.0.1:8000/health")
     print("\nspecserve is up: http://127.0.0.1:8000  (playground: http://127.0.0.1:8000/)")
     print(f"metrics: http://127.0.0.1:{args.metrics_export_port}/metrics  (Prometheus service discovery: "

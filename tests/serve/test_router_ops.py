@@ -6,12 +6,16 @@
 - real health: GET /health answers 503 while no target replica answers the router's probe and
   200 again once one does; a target whose request slots are all taken is busy, not down; the
   router's Serve check_health fails once targets stay silent (probe timings shortened through
-  the router's environment, app/health.py).
+  the router's environment, app/health.py);
+- JSON logs: deployed with configs/local.yaml's `logging_config` (encoding JSON), the router's
+  log lines for a completion carry its completion id beside Serve's request_id, the same
+  request_id as Serve's access log line for that HTTP request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 import time
@@ -22,7 +26,10 @@ import httpx
 import pytest
 
 from app.api_key import ENV_KEY, ENV_KEY_FILE
+from app.config import load_yaml
 from tests.serve.conftest import LOCAL_ARGS
+
+LOGGING_CONFIG = load_yaml("configs/local.yaml")["applications"][0]["logging_config"]
 
 pytestmark = [pytest.mark.serve]
 KEY = "sk-specserve-test-0123456789"
@@ -52,6 +59,13 @@ def _stub_target():
         def record_routing_stats(self) -> dict[str, Any]:
             return {"running": 0, "waiting": 0, "max_num_seqs": 16, "time": time.time()}
 
+        async def generate(self, request):
+            """Three tokens in two chunks, like an engine's steps."""
+            from app.generation_protocol import GenerateChunk
+
+            yield GenerateChunk([11, 12], "ab", None, replica="stub")
+            yield GenerateChunk([13], "c", "length", replica="stub")
+
         async def hold(self, seconds: float) -> None:
             """Takes the replica's only request slot (max_ongoing_requests=1), like a long stream."""
             await asyncio.sleep(seconds)
@@ -75,7 +89,7 @@ def ops_app(ray_cluster: int) -> Iterator[dict[str, Any]]:
            "SPECSERVE_TARGET_DOWN_AFTER_S": "4"}
     router = Router.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(
         LOCAL_ARGS, target)
-    serve.run(router, name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(router, name=APP_NAME, route_prefix="/", blocking=False, logging_config=LOGGING_CONFIG)
     base = f"http://127.0.0.1:{ray_cluster}"
     deadline = time.monotonic() + 120
     while True:
@@ -203,3 +217,44 @@ def test_health_busy_target_is_not_down(ops_app: dict[str, Any]) -> None:
     while (last := _health(url).json()["target"]["last_result"]) != "answered" and time.monotonic() < deadline:
         time.sleep(0.25)
     assert last == "answered"
+
+
+def _serve_log_lines(prefix: str) -> list[dict[str, Any]]:
+    """JSON records of this session's Serve log files named <prefix>*."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    records = []
+    for path in logs.glob(f"{prefix}*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    pass
+    return records
+
+
+def test_json_logs_carry_completion_and_request_ids(ops_app: dict[str, Any]) -> None:
+    assert LOGGING_CONFIG["encoding"] == "JSON"
+    r = httpx.post(f"{ops_app['url']}/v1/completions", headers=_auth(KEY), timeout=30,
+                   json={"model": LOCAL_ARGS["model_name"], "prompt": "def f(x):", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    completion_id = r.json()["id"]
+    deadline = time.monotonic() + 15
+    while True:  # Serve flushes its log files asynchronously
+        records = _serve_log_lines(f"replica_{APP_NAME}_Router_")
+        mine = [rec for rec in records if rec.get("completion_id") == completion_id]
+        if len(mine) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(mine) >= 2, [rec.get("message") for rec in records[-10:]]  # admitted + ended
+    request_ids = {rec.get("request_id") for rec in mine}
+    assert len(request_ids) == 1 and None not in request_ids and "" not in request_ids, mine
+    end = next(rec for rec in mine if rec.get("outcome"))
+    assert end["outcome"] == "finished" and end["completion_tokens"] == 3
+    assert end["levelname"] == "INFO" and end["deployment"].endswith("Router")
+    # Serve's access log line for the same HTTP request has the same request_id
+    access = [rec for rec in records if rec.get("request_id") in request_ids
+              and rec.get("message", "").startswith("POST /v1/completions 200")]
+    assert access and access[0]["route"] == "/v1/completions", [rec for rec in records if rec.get("request_id") in request_ids]

@@ -96,6 +96,24 @@ def test_serve_configs_build(path: Path) -> None:
     assert load_engine_config(path) == config.engine
 
 
+@pytest.mark.parametrize("path", [*SERVE_CONFIGS, KUBERAY], ids=lambda p: p.name)
+def test_serve_configs_log_json(path: Path) -> None:
+    """Issue 51: Serve's logging_config, JSON-encoded, for every deployment of the application
+    (`serve deploy` applies it; `make run` passes it to serve.run)."""
+    from ray.serve.schema import LoggingConfig
+
+    from deployments.run_local import serve_config_logging
+
+    data = yaml.safe_load(path.read_text())
+    if path == KUBERAY:
+        data = yaml.safe_load(data["spec"]["serveConfigV2"])
+    for app in data["applications"]:
+        config = LoggingConfig.model_validate(app["logging_config"])
+        assert config.encoding == "JSON" and config.log_level == "INFO" and config.enable_access_log
+    if path != KUBERAY:
+        assert serve_config_logging(str(path)) == data["applications"][0]["logging_config"]
+
+
 def test_engine_only_config_loads() -> None:
     assert load_engine_config(ROOT / "configs" / "engine.yaml").draft is not None
 

@@ -6,13 +6,14 @@ client goes away), failovers. Fakes stand in for the target handle and the route
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from typing import Any
 
 from ray.exceptions import RayActorError
 
-from app.config import SamplingParams
 from app.generation_protocol import GenerateChunk, GenerateRequest
+from app.sampling_params import SamplingParams
 from deployments.request_run import RequestRun
 
 
@@ -129,3 +130,18 @@ def test_failover_is_counted_and_tokens_once() -> None:
     assert sum(mx.values["record_generation_tokens"]) == 4
     assert mx.values["record_finished"] == ["length"]
     assert len(router.target.requests[1].prompt_ids) == 9
+
+
+def test_choices_after_the_first_do_not_count_the_prompt_again() -> None:
+    """n > 1: usage counts a prompt once; so does specserve_prompt_tokens_total."""
+    router = FakeRouter(FakeTarget([FakeStream([_chunk([1], "length")]), FakeStream([_chunk([2], "length")])]))
+    req = GenerateRequest("cmpl-abc-1", list(range(7)), SamplingParams(max_tokens=1), 4, 30.0)
+    first = RequestRun(router, dataclasses.replace(req, request_id="cmpl-abc-0"), None, "on", "code",
+                       shares_request=True, count_prompt=True)
+    second = RequestRun(router, req, None, "on", "code", shares_request=True, count_prompt=False)
+    asyncio.run(_drain(first))
+    asyncio.run(_drain(second))
+    assert router.metrics.values["record_prompt_tokens"] == [7]
+    assert router.metrics.values["record_finished"] == ["length", "length"]
+    assert second.log_extra() == {"completion_id": "cmpl-abc", "choice": 1}
+    assert _run(router).log_extra() == {"completion_id": "cmpl-1", "choice": 0}
