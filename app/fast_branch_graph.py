@@ -3,7 +3,7 @@
 `branching_generate` (app/fast_branches.py) reads every pass's verdict and the draft's rows back
 to the host, decides there which row continues and where the next branches start, and only then
 queues the next verify and the next draft steps. Both GPUs idle through that turn-around: on a
-2x H200 host ~0.4 ms of a ~5.3 ms pass (bench/RESULTS.md section 2, run 8). Here the same
+2x H200 host ~0.4 ms of a ~5.3 ms pass (`bench.gpu_branches`). Here the same
 decisions are tensor ops on the target's GPU, and the host queues pass after pass:
 
     target GPU  [mirror the draft's rows] -> verdict of the last pass + next verify inputs -> verify
@@ -228,8 +228,8 @@ class BranchingPassGraphs:
         # the draft's rows, once its last pass is done and the last verdict has read the old mirror
         # (a copy between devices runs on both devices' current streams: torch's Copy.cu)
         # On one GPU only the inner context's stream is current, so the stream that runs the copy must
-        # itself wait for both events (session 18's one-GPU failure: the mirror raced the draft's pass
-        # and the control copy the verdict).
+        # itself wait for both events (otherwise the mirror races the draft's pass and the control
+        # copy the verdict).
         with torch.cuda.stream(self._x1), torch.cuda.stream(self._x0):
             self._x1.wait_event(self._e_draft)
             self._x0.wait_event(self._e_verdict)

@@ -21,7 +21,8 @@ never change, so a row stays synced below them; a few positions per pass). A pas
 more CUDA graph replay, fed by one small copy of their arguments. The runner-up stays on the
 device. The rows step together as one batch in one CUDA graph. The bf16 1B draft reads its
 weights once for all rows: on an H200 a forward over 6-8 rows costs ~0.2 ms more than one row
-(bench/RESULTS.md section 2). An int8 draft's few-row kernels do not scale that way.
+(`python3 -m bench.gpu_draft_step --rows-breakdown 1,6,8 --variants bf16`). An int8 draft needs
+app/int8_gemv.py's few-row kernels for that (Inductor's int8 form costs 3x at 8 rows).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class BranchingDraft:
         self._synced = [0] * R  # row r's K/V equals the main row's below this position
         # fork_graph: a pass's drop-and-fork as one graph replay fed by one small copy of its
         # arguments (the eager fork is a dozen indexing kernels, each ~20-40 us of host time, and
-        # the host's time per pass is what the GPUs wait on: bench/RESULTS.md section 2, run 5).
+        # the host's time per pass is what the GPUs wait on in `bench.gpu_branches`).
         # It copies a fixed span of FORK_SPAN positions; a wider one (the first fork after a
         # prefill) takes the eager path.
         self.fork_graph = fork_graph
@@ -310,9 +311,9 @@ def branching_generate(target: FastLlama, draft: BranchingDraft, prompt: torch.T
 
     `draft_first`: queue each pass's draft work (forks and steps) before the target's verify
     instead of after; the host reads the draft's rows only after both are queued. The draft is
-    the busier GPU at the depths the chain picks, so it should start first. (Its first version
-    read the rows before queueing the verify, which made the target wait for the draft: 7.75 ms
-    a pass against 5.83-6.00, bench/RESULTS.md section 2, run 6.)"""
+    the busier GPU at the depths the chain picks, so it should start first. (Reading the rows
+    before queueing the verify makes the target wait for the draft: 7.75 ms a pass against
+    5.83-6.00 on two H200s, `bench.gpu_branches`.)"""
     if k < 1 or overlap_steps < 1:
         raise ValueError(f"k={k}, overlap_steps={overlap_steps}: branching needs k >= 1 and overlap_steps >= 1 "
                          "(it is the overlapped mode)")

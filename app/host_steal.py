@@ -4,7 +4,7 @@ guest can see.
 On the 2-core CPU host (a Firecracker VM) one fixed policy's back-to-back benchmark cells spread at
 CV 0.08-0.12 with the app's own CPU seconds constant; the share of the machine's CPU time stolen in
 each cell explained three quarters of that spread (r = -0.87 over 14 cells, ~1.4 % of goodput lost
-per point of steal; bench/RESULTS.md section 7). So measurements that compare two things in time
+per point of steal; `bench.load` records each cell's steal). So measurements that compare two things in time
 (a benchmark's cells, the mode arbiter's probe against the leader around it) read steal alongside
 and refuse comparisons across which it moved.
 
@@ -43,7 +43,7 @@ class StealMeter:
 
     Reads /proc/stat at most every `min_interval_s`: the kernel counts in 10-ms ticks, so a read per
     engine step (every 4-10 ms at one stream) mostly finds nothing new, and at ~30-150 us a read it
-    cost 0.3-4 % of the engine thread there (py-spy, bench/RESULTS.md section 7). A call in between
+    costs 0.3-4 % of the engine thread there (measured with py-spy). A call in between
     returns (0, 0) and the ticks go to the next reading's step: the sums over a probe's window (a
     second or more) are the same."""
 

@@ -10,14 +10,14 @@ multiplies it into both rows, so two rows read the weights once, like one.
 
 Three to MAX_ROWS rows (the branching draft steps one row per branch, app/fast_branches.py) take a
 second kernel: the same weight stripe per program, multiplied into all rows as a reduction (thin
-blocks) or with tl.dot on 16 padded rows (BLOCK_N >= 16). Inductor's written-out form made an int8
-draft step with 8 rows 3x its one-row cost (bench/RESULTS.md section 2, the widths table), which
-ruled the int8 draft out of branching.
+blocks) or with tl.dot on 16 padded rows (BLOCK_N >= 16). Inductor's written-out form makes an int8
+draft step with 8 rows 3x its one-row cost (`python3 -m bench.gpu_draft_step --rows-breakdown 1,8
+--variants int8-inductor`), which would rule the int8 draft out of branching.
 
 Split-K (`_int8_split_k_kernel`): the 1B draft's small matrices (wo 2048x2048, wqkv 2048->3072, w_down
 8192->2048) have so few output columns that the few-row kernel's tl.dot blocks (BLOCK_N >= 16) give
-96-128 programs for 132 SMs; they streamed their weights at ~1 TB/s (bench/RESULTS.md section 2, session
-19). A split-K config (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, form) adds a second grid axis over K, each
+96-128 programs for 132 SMs; they stream their weights at ~1 TB/s on an H200 (`python3 -m
+bench.gpu_split_k`). A split-K config (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, form) adds a second grid axis over K, each
 program summing K / SPLIT_K of the columns in fp32. Two forms of the final sum: "atomic" adds the
 partials into a per-weight fp32 workspace with tl.atomic_add, and the program that finishes a column
 block last (a per-block counter) reads the sums back while zeroing them, scales and writes y, then
@@ -26,11 +26,12 @@ needs no zero_ kernel. The sum's order varies from launch to launch (fp32 roundi
 "reduce" writes the partials to a `[SPLIT_K, M, N]` buffer and a second small kernel sums them in a
 fixed order: deterministic, one more launch.
 
-Form flags (session 21): "-aligned" tells the compiler that the K offsets are multiples of BLOCK_K (the host
-checks K % (SPLIT_K * BLOCK_K) == 0; Triton knew K only as a multiple of 16, so K // SPLIT_K was a multiple of
-16 / SPLIT_K and the int8 loads narrower than 16 bytes): w_down at 5 rows 10.8 -> 8.6 us with 8 splits. "-nsN"
-sets num_stages. The "fma" form (_int8_fma_kernel, thin blocks without tensor cores, one accumulator per row)
-is correct but lost 1.6-4x on every 1B shape (bench/RESULTS.md section 2, session 21), so nothing pins it.
+Form flags: "-aligned" tells the compiler that the K offsets are multiples of BLOCK_K (the host checks
+K % (SPLIT_K * BLOCK_K) == 0; Triton knows K only as a multiple of 16, so without the flag K // SPLIT_K is a
+multiple of 16 / SPLIT_K and the int8 loads are narrower than 16 bytes): w_down at 5 rows 10.8 -> 8.6 us with
+8 splits on an H200. "-nsN" sets num_stages. The "fma" form (_int8_fma_kernel, thin blocks without tensor
+cores, one accumulator per row) is correct but 1.6-4x slower on every 1B shape (`python3 -m bench.gpu_split_k
+--search fma`), so nothing pins it.
 """
 
 from __future__ import annotations
@@ -263,9 +264,9 @@ def rows_block(m: int, block_n: int) -> int:
 # (N, K, M) -> (BLOCK_N, BLOCK_K, num_warps) used instead of autotuning. Why: autotuning (Triton's here,
 # Inductor's coordinate descent for its own one-row GEMV) times configs against the same weights over and
 # over, which the 50 MB L2 of an H100/H200 then holds, but a decode step streams every matrix from HBM
-# once. Tuned hot, the picks differed from start to start: the 1B draft's one-token step took
-# 0.85-0.99 ms over six fresh starts on one H200, its GEMVs alone 627-697 us (bench/gpu_draft_step.py,
-# bench/RESULTS.md section 2, session 17). The defaults below are the best of 14 configs timed with cold
+# once. Tuned hot, the picks differ from start to start: the 1B draft's one-token step takes 0.85-0.99 ms
+# over six fresh starts on one H200, its GEMVs alone 627-697 us (`python3 -m bench.gpu_draft_step --trials 6`:
+# each trial a fresh process with empty compile caches). The defaults below are the best of 14 configs timed with cold
 # weights on an H200 (`python3 -m bench.gpu_draft_step --cold-table`) for the Llama-3.2-1B shapes; the
 # kernel's result does not depend on the config, only its speed. Another card: re-measure and `pin`.
 H200_1B_COLD: dict[tuple[int, int, int], BlockConfig] = {
@@ -274,30 +275,32 @@ H200_1B_COLD: dict[tuple[int, int, int], BlockConfig] = {
     (16384, 2048, 1): (4, 1024, 4), (16384, 2048, 2): (8, 1024, 4),  # w_gate_up
     (2048, 8192, 1): (2, 1024, 4), (2048, 8192, 2): (4, 1024, 4),  # w_down
     (128256, 2048, 1): (8, 256, 4), (128256, 2048, 2): (8, 1024, 4),  # lm_head
-    # the few-row kernel (a branching draft's 4-6 rows; `--cold-table --rows 4,5,6`, session 18): tl.dot
-    # blocks won every shape, 2-10x faster than the thin reduction blocks at these row counts
+    # the few-row kernel (a branching draft's 4-6 rows; `--cold-table --rows 4,5,6`): tl.dot blocks win
+    # every shape, 2-10x faster than the thin reduction blocks at these row counts
     **{(3072, 2048, m): (32, 256, 8) for m in (4, 5, 6)}, **{(2048, 2048, m): (16, 256, 4) for m in (4, 5, 6)},
     (16384, 2048, 4): (64, 128, 4), (16384, 2048, 5): (32, 128, 4), (16384, 2048, 6): (32, 128, 4),
     **{(2048, 8192, m): (16, 256, 4) for m in (4, 5, 6)}, **{(128256, 2048, m): (64, 128, 4) for m in (4, 5, 6)},
 }
-# Split-K configs (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, form), chosen against the configs above with cold
-# weights (`python3 -m bench.gpu_split_k`, session 20, two runs on one H200 gave the same picks); pinned only
-# where they beat them by > 3 %. 4-6 rows (tl.dot blocks padded to 16 rows): wqkv 7.2 -> 6.1 us, wo 6.0 -> 5.4,
-# w_down 17.4 -> 10.8; the atomic form beat the reduce form by 0.4-0.6 us on every one, the swapped dot lost.
-# Not pinned, as split-K lost or tied there: 1-2 rows (thin blocks: 1.4-2x slower split), w_gate_up and
-# lm_head at 4-6 rows (already 512 and 2004 programs); 3, 7 and 8 rows were not timed (they autotune).
-H200_1B_SPLIT_K_SESSION20: dict[tuple[int, int, int], BlockConfig] = {
+# Split-K configs (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, form) without the K offsets' alignment ("-aligned"):
+# the first split-K pins, kept as the "before" of `bench.gpu_split_k --before unaligned` and `bench.gpu_draft_step
+# --variants ...:unaligned`; H200_1B_SPLIT_K below replaces them. Chosen against the configs above with cold
+# weights (`python3 -m bench.gpu_split_k`, two runs on one H200 give the same picks), pinned where they beat
+# them by > 3 %. 4-6 rows (tl.dot blocks padded to 16 rows): wqkv 7.2 -> 6.1 us, wo 6.0 -> 5.4, w_down
+# 17.4 -> 10.8; the atomic form beats the reduce form by 0.4-0.6 us on every one, the swapped dot loses.
+# Split-K loses or ties at 1-2 rows (thin blocks: 1.4-2x slower split) and for w_gate_up and lm_head at 4-6
+# rows (already 512 and 2004 programs).
+H200_1B_SPLIT_K_UNALIGNED: dict[tuple[int, int, int], BlockConfig] = {
     **{(3072, 2048, m): (32, 128, 4, 4, "atomic") for m in (4, 5, 6)},  # wqkv: 96 -> 384 programs
     **{(2048, 2048, m): (32, 128, 4, 4, "atomic") for m in (4, 5, 6)},  # wo: 128 -> 256
     **{(2048, 8192, m): (32, 256, 4, 4, "atomic") for m in (4, 5, 6)},  # w_down: 128 -> 256
 }
-# Session 21 (`python3 -m bench.gpu_split_k --search s21` then `--search s21b`, two runs on one H200 lend, cold
-# weights; bench/RESULTS.md section 2): the split-K kernel's K offsets had lost their alignment (Triton knows K
-# only as a multiple of 16, so K // SPLIT_K was a multiple of 4: 4-byte int8 loads); "-aligned" tells the
-# compiler. 5 rows, µs: wqkv 6.15 -> 5.75-5.80, wo 5.42 -> 5.14, w_down 10.81 -> 8.60 (now 8 splits),
-# w_gate_up 12.5 -> 12.0 (the split-K kernel unsplit, 64x256 blocks, against the few-row kernel's 32x128).
-# Pinned for 3-8 rows (rows 3, 7, 8 autotuned before). lm_head: 64x256 unsplit was within 1 % of the pin at
-# 4-6 rows (not pinned there), pinned at 3, 7, 8. The fma form (_int8_fma_kernel) lost 1.6-4x on every shape.
+# The split-K pins in use, with the K offsets' alignment told to the compiler ("-aligned"; without it Triton
+# knows K only as a multiple of 16, so K // SPLIT_K is a multiple of 4: 4-byte int8 loads). From `python3 -m
+# bench.gpu_split_k --search fma` then `--search aligned`, two runs on one H200, cold weights. 5 rows, µs,
+# against the unaligned pins: wqkv 6.15 -> 5.75-5.80, wo 5.42 -> 5.14, w_down 10.81 -> 8.60 (8 splits instead
+# of 4), w_gate_up 12.5 -> 12.0 (the split-K kernel unsplit, 64x256 blocks, against the few-row kernel's
+# 32x128). Pinned for 3-8 rows. lm_head: 64x256 unsplit is within 1 % of the few-row pin at 4-6 rows (not
+# pinned there), pinned at 3, 7, 8. The fma form (_int8_fma_kernel) is 1.6-4x slower on every shape.
 H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {
     **{(3072, 2048, m): (32, 128, 4, 4, "atomic-aligned") for m in range(3, 9)},  # wqkv
     **{(2048, 2048, m): (32, 256, 4, 4, "atomic-aligned") for m in range(3, 9)},  # wo

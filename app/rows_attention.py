@@ -2,13 +2,14 @@
 
 Why: FastLlama keeps K and V as `[B, max_len, KV, D]` per layer, so that a step writes its new K/V in
 place. Batched matmul over the `[B, KV, L, D]` view needs one stride per batch dimension, and (B, KV)
-have two: for more than one sequence it copied both caches every layer. The branching draft steps
-5 sequences a step, and there the copies took 0.28 of its 1.49 ms forward on an H200
-(bench/RESULTS.md section 2, session 18). Two copy-free products were slower under Inductor's fusion.
+have two: for more than one sequence it copies both caches every layer. The branching draft steps
+5 sequences a step, and there the copies take 0.28 of its 1.49 ms forward on an H200 (`python3 -m
+bench.gpu_draft_step --rows-breakdown 5 --variants bf16,bf16:in-place`). Two copy-free products
+are slower under Inductor's fusion.
 Here (flash-decoding) each program takes one slice of one sequence's keys up to its position, for the
 G query heads that share a KV head, with tl.dot on those heads padded to 16 and an online softmax; a
-second kernel combines the slices. A first version without slices or tl.dot (one program per sequence
-and KV head, products reduced in registers) took 0.60 ms at 5 rows, twice the copies it replaced.
+second kernel combines the slices. Without slices or tl.dot (one program per sequence and KV head,
+products reduced in registers) the kernel takes 0.60 ms at 5 rows, twice the copies it replaces.
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument("--attention", default="grouped", choices=["grouped", "sdpa"])
     parser.add_argument("--draft-compile", default=None, metavar="MODE",
                         help="compile the draft's whole forward with this torch.compile mode "
-                             "(bench/gpu_compile.py: max-autotune-no-cudagraphs made the 1B step 11%% faster on an H200)")
+                             "(max-autotune-no-cudagraphs makes the 1B step ~11%% faster on an H200)")
     parser.add_argument("--draft-weights", default="bf16,int8",
                         help="draft weight formats to measure, comma-separated (FastLlama weights=: bf16, int8, "
                              "int8_layers); a quantized draft changes acceptance, never the output")

@@ -5,13 +5,12 @@
     python3 -m bench.gpu_draft_step --trials 3 --one-row triton --pins pins.json
     python3 -m bench.gpu_draft_step --rows-breakdown 1,2,5 [--pins pins.json] [--json PATH]  # forward by rows
 
-Why: in three `bench.gpu` runs minutes apart on one H200 (bench/RESULTS.md section 2, session 16)
-the int8 draft's one-token step took 0.84, 0.92 and 1.09 ms while its two-token step held at
-~1.28 ms, and the sequential speedups followed the one-token step. Then one row went through
-Inductor's int8 GEMV, tuned by coordinate descent at every start (`--one-row inductor` still does);
-two rows through app/int8_gemv.py's Triton kernel, autotuned then, pinned since. Each trial here
-is a fresh process with empty Inductor and Triton caches (as a new host starts), so the spread
-across trials is what a start's tuning leaves to chance.
+Why: with its GEMVs tuned at start (Inductor's coordinate descent for one row, `--one-row inductor`;
+Triton's autotuning without pins), the int8 draft's one-token step took 0.84, 0.92 and 1.09 ms in
+three `bench.gpu` runs minutes apart on one H200 while its two-token step held at ~1.28 ms, and the
+sequential speedups followed the one-token step. app/int8_gemv.py therefore pins block configs.
+Each trial here is a fresh process with empty Inductor and Triton caches (as a new host starts), so
+the spread across trials is what a start's tuning leaves to chance.
 
 Per trial: the draft's one-token loop step (`bench.gpu.loop_step_time`: graph replay, argmax, the
 controlled-acceptance proposer; median of 5 x 100 steps), its two-token extra, and each 1B weight
@@ -119,8 +118,9 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
     """The 1B draft's one-token forward over R rows (as the branching draft steps its rows), per
     variant (bf16; int8 with the few-row kernel `int8-triton` or Inductor's `int8-inductor`; a `:in-place`
     suffix reads the caches in place for 2+ rows, app/rows_attention.py; `:no-split-k` launches the unsplit
-    configs where split-K ones are pinned, app/int8_gemv.py; `:session20` session 20's pins): one
-    CUDA graph's time per forward and its kernels' GPU time by name (eager, torch.profiler)."""
+    configs where split-K ones are pinned, app/int8_gemv.py; `:unaligned` pins the split-K configs without
+    the K offsets' alignment, H200_1B_SPLIT_K_UNALIGNED): one CUDA graph's time per forward and its
+    kernels' GPU time by name (eager, torch.profiler)."""
     from app import int8_gemv
     from app.fast_llama import FastLlama
     from bench.gpu import random_llama
@@ -132,9 +132,9 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
         gemms, *flags = variant.split(":")
         weights, _, few = gemms.partition("-")
         int8_gemv.use_split_k("no-split-k" not in flags)  # read at each launch, i.e. when a graph is captured
-        int8_gemv.PINNED.clear()  # ":session20": session 20's pins (the defaults before session 21)
-        int8_gemv.PINNED.update({**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K_SESSION20}
-                                if "session20" in flags else defaults)
+        int8_gemv.PINNED.clear()  # ":unaligned": the unaligned split-K pins instead of the defaults
+        int8_gemv.PINNED.update({**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K_UNALIGNED}
+                                if "unaligned" in flags else defaults)
         fd = FastLlama(hf, max_batch=max(rows), max_len=512, attention="grouped", weights=weights,
                        compile_elementwise=True, int8_few_rows=few or "triton",
                        decode_attention="triton" if "in-place" in flags else "matmul")

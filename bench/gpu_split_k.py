@@ -151,7 +151,7 @@ def before_pins(spec: str) -> dict:
     from app import int8_gemv
 
     if spec == "unaligned":
-        return {**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K_SESSION20}
+        return {**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K_UNALIGNED}
     return {**int8_gemv.H200_1B_COLD, **read_pins(spec)}
 
 

@@ -75,7 +75,7 @@ PROMPTS = [
 ]
 POLICIES = ("on", "off", "auto")
 LEVELS = (1, 2, 4, 8, 16, 32)
-TARGET_RATIO = 0.97  # issue #4: auto within 3 % of the better fixed policy at every level
+TARGET_RATIO = 0.97  # the target: auto within 3 % of the better fixed policy at every level
 
 
 @dataclass
@@ -255,10 +255,10 @@ def summarize(cells: list[Cell], levels: list[int]) -> dict[tuple[int, str], dic
 def paired_ratio(cells: list[Cell], c: int, fixed: str) -> dict[str, float | None]:
     """Auto over the level's better fixed policy `fixed` within each round (the three cells of a round
     ran back to back, so they share the host's state), then the mean over rounds and its standard
-    error. A second reading of the medians' verdict: on a noisy host the two disagreed by up to 0.08
-    (bench/RESULTS.md section 7). The same fixed policy in every round, as the target says ("the better
-    fixed policy"): the better of the two *per round* is an oracle no fixed choice is, and where the two
-    are close it is the larger of two noisy cells (run AZ: paired 1.037 that way at 1 stream, 1.060 this)."""
+    error. A second reading of the medians' verdict: on a noisy host the two disagree by up to 0.08.
+    The same fixed policy in every round, as the target says ("the better fixed policy"): the better of
+    the two *per round* is an oracle no fixed choice is, and where the two are close it is the larger of
+    two noisy cells (on one CPU sweep at 1 stream, paired 1.037 that way against 1.060 this way)."""
     by_round: dict[int, dict[str, float]] = {}
     for x in cells:
         if x.concurrency == c:
@@ -506,7 +506,7 @@ def main() -> None:
         cells, levels = pooled_cells(args.pool)
         v = print_verdict(cells, levels)
         if args.json:
-            rounds = len({c.round for c in cells})  # config.levels lets rescore and median_noise read it as a run
+            rounds = len({c.round for c in cells})  # config.levels: rescore() reads the pool like one sweep
             Path(args.json).write_text(json.dumps({"bench": "load", "pooled": args.pool,
                                                    "config": {"levels": levels, "rounds": rounds},
                                                    "cells": [asdict(c) for c in cells], "verdict": v}, indent=1) + "\n")

@@ -4,9 +4,9 @@ The step planner (step_plan.py) predicts a step's time from its parts: a target 
 tokens, `depth` draft steps, the exchange, host time. Each part is measured, but their sum can
 still miss the step's wall time in ways that depend on the depth: on a shared 2-core host the
 draft's first pass (two tokens fed, sometimes a catch-up), the draft call's hop and the target's
-verify contend differently at each depth. Measured at 16 streams on
-the CPU app (bench/results/depth-probe-16-chunk-ab.txt): the planner drafted 5-6 deep with one
-host-cost setting and ~3.3 deep with another, and lost 5-8 % against a fixed k = 4 both times.
+verify contend differently at each depth. Measured at 16 streams on the CPU app without this
+feedback, the planner drafted 5-6 deep with one host-cost setting and ~3.3 deep with another, and
+lost 5-8 % against a fixed k = 4 both times.
 
 So the engine feeds back, after every planned step, the step's wall time and what the plan said
 it would take; the planner multiplies its predicted time for a plan of depth k by the realized /

@@ -44,9 +44,9 @@ class _Ema:
 
     Once warmed up, one observation counts at most OUTLIER times the mean (a winsorised average).
     Why: on a shared host a step the OS held up for tens of milliseconds is not what a step of that
-    shape costs. Measured on the 2-core CPU app at 1 stream (bench/RESULTS.md section 7, run Y),
-    the planner's plain step swung between 6.1 and 8.5 ms across its depth reports, and the planner
-    drafted in bursts exactly while the plain step looked dear. A real rise is still followed: at
+    shape costs. Measured on the 2-core CPU app at 1 stream without it, the planner's plain step
+    swung between 6.1 and 8.5 ms across its depth reports, and the planner drafted in bursts exactly
+    while the plain step looked dear. A real rise is still followed: at
     up to (OUTLIER - 1) * decay per observation, a doubling within ~7 observations at decay 0.1.
     """
 
@@ -202,7 +202,7 @@ class StepCostsConfig(BaseModel):
                     "measured pass kind's, e.g. 0.5; 0 (default): no speed factor (each curve keeps what it last "
                     "measured). Off by default: on the 2-core CPU app drafting itself slows the target's passes (the "
                     "draft process takes CPU), a slowdown the factor wrongly spreads to plain steps; with it on at "
-                    "0.5, auto fell to 0.88 of 'on' at 4 streams (bench/RESULTS.md section 7, run AC)")
+                    "0.5, auto falls to 0.88 of 'on' at 4 streams")
 
 
 class StepCosts:
@@ -210,11 +210,12 @@ class StepCosts:
 
     With `speed_decay` > 0 (off by default: see its description), every measured time is stored
     divided by a **machine-speed factor** and read back multiplied by its current value. Why: the
-    policy compares kinds of step that are measured at different moments. At 1 stream on the CPU app the plain step is measured ~140 times a second and the
-    drafting step's parts only when it drafts; when the host slowed down, the plain step's price
-    rose while the drafting parts kept the price of a faster moment, drafting looked cheaper than it
-    was, and the planner drafted in bursts exactly then and lost 3 % to plain decoding (bench/
-    RESULTS.md section 7, runs Y and Z; the plain step's price swung 6.2-9.2 ms between reports).
+    policy compares kinds of step that are measured at different moments. At 1 stream on the CPU
+    app the plain step is measured ~140 times a second and the drafting step's parts only when it
+    drafts; when the host slows down, the plain step's price rises while the drafting parts keep the
+    price of a faster moment, drafting looks cheaper than it is, and without the factor the planner
+    drafted in bursts exactly then and lost 3 % to plain decoding (the plain step's price swung
+    6.2-9.2 ms between reports).
     A pass measured again at a token count measured before says how much slower or faster the
     machine is than when that count was stored; the factor follows that ratio quickly
     (`speed_decay`) and a slowdown seen on one kind of pass raises every price alike, so the
@@ -236,8 +237,7 @@ class StepCosts:
         self._exchange = _Ema(c.exchange_s, c.decay)
         # host time outside the forwards, measured apart for plain and speculative steps: a drafting
         # step verifies, rolls back and books more tokens, and one average of both, fed mostly by
-        # whichever kind the traffic ran lately, priced the other kind wrong (bench/RESULTS.md
-        # section 7, session 12)
+        # whichever kind the traffic ran lately, prices the other kind wrong
         self._overhead = {False: _Ema(c.overhead_s, c.decay), True: _Ema(c.overhead_s, c.decay)}
         per_token = c.draft_prefill_per_token_s
         if per_token is None:

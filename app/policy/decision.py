@@ -113,9 +113,9 @@ class SpeculationDecision(_Strict):
 
 class PolicyConfig(_Strict):
     margin: float = Field(
-        1.15, ge=1.0, description="predicted speedup needed to speculate. 1.15 (was 1.05): at 2 streams on CPU, where "
-        "'off' beats 'on' by ~5 %, auto drafted 30-56 % of steps at 1.05 and lost 3-4 % to 'off'; at 1.15 it drafted "
-        "1-12 % and matched 'off' (bench/RESULTS.md section 7, sessions 17-18)")
+        1.15, ge=1.0, description="predicted speedup needed to speculate. At 2 streams on CPU, where 'off' beats "
+        "'on' by ~5 %, auto drafts 30-56 % of steps at a margin of 1.05 and loses 3-4 % to 'off'; at 1.15 it drafts "
+        "1-12 % and matches 'off'")
     min_output_tokens: int = Field(16, ge=1)
     explore_every_steps: int = Field(
         64, ge=0, description="engine steps without an adaptive draft before one exploration step; 0: never")
@@ -125,14 +125,14 @@ class PolicyConfig(_Strict):
                     "drafting on its own, up to this many steps, per batch size, and falls back to "
                     "explore_every_steps once the planner has drafted on its own in explore_every_steps steps "
                     "between explorations (step_plan.StepExplorer); None: no back-off. At 1 stream on "
-                    "the CPU app, exploring every 64 steps cost auto 4-6 % against 'off', backing off to 512 under "
-                    "1 % (bench/RESULTS.md section 7, session 15)")
+                    "the CPU app, exploring every 64 steps costs auto 4-6 % against 'off', backing off to 512 under "
+                    "1 %")
     exploration_k: int = Field(2, ge=1)
     plain_hold_steps: int = Field(
         8, ge=0,
         description="after a plain plan, the same batch stays plain this many steps without planning "
-                    "(step_plan.PlainHold): in the served CPU app planning every step cost auto ~0.7 ms a plain step "
-                    "at 1 stream; 0: plan every step")
+                    "(step_plan.PlainHold): in the served CPU app planning every step costs auto ~0.7 ms a plain "
+                    "step at 1 stream; 0: plan every step")
     max_k: int = Field(8, ge=1, le=64)
     default_k: int = Field(4, ge=1, description="k for speculation 'on' without num_speculative_tokens")
     overlap: bool = Field(False, description="draft runs on its own device, overlapped with verify")
@@ -143,16 +143,16 @@ class PolicyConfig(_Strict):
         description="pseudo-trials of its prompt class's acceptance that a sequence's own estimate starts from "
                     "(app/acceptance.py token_alpha): how far its own steps move it. Measured on the embedded pair "
                     "(bench/draft_agreement.py): per-prompt acceptance spreads like a Beta prior of 23 (code) to 38 "
-                    "(prose) pseudo-trials; lighter, a few lucky steps made sequences look far better than their "
-                    "class and the planner drafted on noise")
+                    "(prose) pseudo-trials; lighter, a few lucky steps make sequences look far better than their "
+                    "class and the planner drafts on noise")
     acceptance_optimism: float = Field(
         1.0, ge=0.0,
         description="standard deviations added to a sequence's own acceptance estimate when the step planner "
                     "decides whether it joins a drafting step (app/acceptance.py token_alpha_upper; its depth comes "
                     "from the mean): keeps an unlucky start from freezing it plain. A step that drafts only on "
                     "optimism stays plain (step_plan.plan_step_optimistic): measured on the CPU app, optimism "
-                    "deciding alone made auto draft at 1 stream and lose 4 % to 'off', none at all made it draft "
-                    "shallower at 8-32 streams and lose 3-5 % to 'on' (bench/RESULTS.md section 7, session 11)")
+                    "deciding alone makes auto draft at 1 stream and lose 4 % to 'off', none at all makes it draft "
+                    "shallower at 8-32 streams and lose 3-5 % to 'on'")
     acceptance_half_life_tokens: float = Field(512.0, gt=0)
     length_window: int = Field(256, ge=1)
     length_quantile: float = Field(0.9, gt=0.0, lt=1.0)
@@ -162,8 +162,8 @@ class PolicyConfig(_Strict):
         default_factory=ModeArbiterConfig,
         description="per batch size, run adaptive sequences in the step mode (planner, all 'on' at default_k, all "
                     "'off') whose goodput the engine measured best, re-probing the others (app/policy/mode_arbiter.py)")
-    # off by default: in the CPU concurrency sweeps (bench/RESULTS.md section 7, runs G and H) the
-    # calibrated planner was not closer to the better fixed policy than the uncalibrated one (run F)
+    # off by default: in the CPU concurrency sweeps (bench.load) the calibrated planner comes no closer
+    # to the better fixed policy than the uncalibrated one
     calibration_half_life_steps: float = Field(
         0.0, ge=0,
         description="engine steps over which the realized/predicted step time per (batch, depth) is averaged "

@@ -3,16 +3,16 @@
 The step planner (step_plan.py) is a model: it prices a step from measured parts and picks the
 plan with the best predicted tokens per second. Its parts can each be right and the sum still be
 wrong on a given host, and the error moves with the host's speed. Measured on the 2-core CPU app
-(bench/RESULTS.md section 7, runs AE-AL): in seven full sweeps the planner came within 3 % of the
-better fixed policy at every concurrency in two; in the others it under-drafted at 4-8 streams
-(0.84-0.89 of 'on' on a slow host), drafted too shallow at 32, or drafted where 'off' won at 2.
-Tuning the model's margin and calibrating its step time moved the misses around, not away.
+over seven full `bench.load` sweeps, the planner alone came within 3 % of the better fixed policy at
+every concurrency in two; in the others it under-drafted at 4-8 streams (0.84-0.89 of 'on' on a
+slow host), drafted too shallow at 32, or drafted where 'off' won at 2. Tuning the model's margin
+and calibrating its step time move the misses around, not away.
 
-The issue asks for a router that is *never worse than the best fixed choice*. That is a bandit
-over arms, not a better model: so the engine keeps, per load bucket, the goodput it really
-measured (output tokens of the batch / wall seconds of the step, newcomers' prefill excluded) in
-each of three modes, and runs the batch's adaptive sequences in the best one (a load bucket is that of the
-largest batch of the last `load_window_s`, see below):
+The aim is a policy *never worse than the better fixed choice*. That is a bandit over arms, not a
+better model: so the engine keeps, per load bucket, the goodput it really measured (output tokens
+of the batch / wall seconds of the step, newcomers' prefill excluded) in each of three modes, and
+runs the batch's adaptive sequences in the best one (a load bucket is that of the largest batch of
+the last `load_window_s`, see below):
 
 - `plan`: the step planner decides (its exploration, hold and depth choice included);
 - `on`:   every adaptive sequence drafts at the policy's default k (what forced 'on' does);
@@ -22,68 +22,69 @@ Each arm that is not the leader is re-measured by a short probe (at least `probe
 measured steps and `probe_min_s` seconds), and probes are budgeted in *time*: after a probe that
 took T seconds, the next probe of that mode waits until the leader has run T / share seconds. The
 share starts at `base_share` and halves, down to `min_share`, each time the probes find the mode
-surely worse (see below); otherwise it goes back to the base. Why time, not steps: a step at 32 streams on the CPU app takes ~0.4 s against ~10 ms at one
-stream, and a 16-s benchmark cell holds only ~40 steps there; probes of 24 steps every 96 (the
-first form of this module, run AM in bench/RESULTS.md section 7) spent, as estimated from the
-replica's step counts, about a third of auto's steps at 32 streams in modes ~30 % worse, and auto
-lost 7 % to 'on' there. The first `settle_steps` steps
-after the mode changes are not measured: they pay the switch (the draft's catch-up prefill of
-every token decoded plainly since a sequence last drafted), which a mode that stays does not pay;
-their time counts against the probe's budget all the same.
+surely worse (see below); otherwise it goes back to the base. Why time, not steps: a step at 32
+streams on the CPU app takes ~0.4 s against ~10 ms at one stream, and a 16-s benchmark cell holds
+only ~40 steps there; budgeted in steps (24 every 96), probes took about a third of auto's steps
+at 32 streams, as estimated from the replica's step counts, in modes ~30 % worse, and auto lost 7 %
+to 'on' there. The first `settle_steps` steps after the mode changes are not measured: they pay the
+switch (the draft's catch-up prefill of every token decoded plainly since a sequence last drafted),
+which a mode that stays does not pay; their time counts against the probe's budget all the same.
 
 A probe is judged against the leader measured just before and just after it (windows of as many
 measured steps and seconds), not against the leader's figure from whenever: one probe's ratio is
 its goodput over the mean of those two windows, so a host whose speed drifts (the 2-core CPU
-host's moved ~1.7x within one sweep, run AO) shifts both sides alike. A mode's evidence is the
+host's moves ~1.7x within one sweep) shifts both sides alike. A mode's evidence is the
 time-decayed mean of its probes' ratios with its standard error; one probe spreads ~20 % at one
-stream (run AP), so the lead moves only when mean - `switch_z` s.e. > `switch_ratio`, and a share
-is cut only when mean + `far_z` s.e. < `far_ratio`. A mode's first `warm_pairings` probes in a
-bucket come at `warm_share` and it cannot take the lead before them: at 2 streams 0.25-s windows
-spread ~30 % and single probes at ratios of 1.17 and 1.47 moved the lead (three moves in the first
-minutes; run AT, ad5aaa3; auto 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead
-moves on three probes, gathered in the bucket's first seconds. The warm-up's cost is its probes,
-three a mode whatever their share; the share only spaces them, and the longer it spaces them the
-longer a wrong first leader leads (run BK: b4 started led by b2's 'off' and ran 11.8 s of its 75
-there, where 'on' won by 9 %). So the fixed modes warm up at the leader's own time (share 1), and
-the leader's window after a probe counts towards the next one's wait.
-Closed-loop batches of equal requests move in waves (run BK's forced 'off' cells at 32 streams
-finished exactly two waves of 32 requests each): a step's goodput follows its phase in the wave, and
-a 1-s window measured a phase, not a mode. A planner probe began at a fresh wave (its window waits
-for the batch to turn over) and the leader's window after it saw the wave's slow end: three
-pairings at 1.19-1.26 made the planner lead b32, and auto ran at 0.949 of forced 'on'. So every
-window lasts at least `window_lifetimes` mean sequence lifetimes at its load.
+stream, so the lead moves only when mean - `switch_z` s.e. > `switch_ratio`, and a share is cut
+only when mean + `far_z` s.e. < `far_ratio`. A mode's first `warm_pairings` probes in a bucket come
+at `warm_share` and it cannot take the lead before them: at 2 streams 0.25-s windows spread ~30 %,
+and single probes at ratios of 1.17 and 1.47 would move the lead (three moves in a level's first
+minutes, auto at 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead moves on three
+probes, gathered in the bucket's first seconds. The warm-up's cost is its probes, three a mode
+whatever their share; the share only spaces them, and the longer it spaces them the longer a wrong
+first leader leads (a 4-stream bucket started by the 2-stream bucket's 'off' leader ran 11.8 s of
+its 75 there, where 'on' won by 9 %). So the fixed modes warm up at the leader's own time (share
+1), and the leader's window after a probe counts towards the next one's wait.
+
+Closed-loop batches of equal requests move in waves (a forced 'off' cell at 32 streams finishes
+exactly two waves of 32 requests each): a step's goodput follows its phase in the wave, and a 1-s
+window measures a phase, not a mode. A planner probe begins at a fresh wave (its window waits for
+the batch to turn over) and the leader's window after it sees the wave's slow end: with 1-s
+windows, three pairings at 1.19-1.26 made the planner lead at 32 streams, and auto ran at 0.949 of
+forced 'on'. So every window lasts at least `window_lifetimes` mean sequence lifetimes at its load.
+
 The fixed modes are what auto is judged against (the better of forced 'on' and 'off'); the planner
-is a model, right or wrong by the host. So a fresh arbiter starts led by a fixed mode (`first_leader`:
-plain, which needs no draft), the planner takes the lead from a fixed mode only when its mean
-ratio clears `plan_switch_z` standard errors, not `switch_z`, and it is probed as the long shot it
-is: at a new load after the fixed modes, at `plan_warm_share` of the leader's time. With 1-s pairings
-spreading 15-30 % and three or four of them in a level, whichever mode led kept the lead when the
-others were close: runs
-BB-BF ended three load buckets led by the planner where a fixed policy's cells beat auto (BC b2 and
-BF b8 led by it from the start, the then default; BB b16 on four pairings that put it 13 % above
-'on'), and auto ran at 0.92, 0.94 and 0.90 of the better fixed policy there.
-The form of runs AN and AO compared each mode's own long-run goodput, and a stale figure from a faster
-period won against fresh ones (run AO: auto 0.93-0.94 of the better fixed policy at 1-4 streams).
-So the leader's figure is its latest window, dropped when the leader went unmeasured
-`stale_after_s` (a new benchmark cell, a lull, forced traffic), no probe starts before the leader is measured
-afresh, and a mode takes the lead only right after a probe paired it with the leader. On a
-change of leader every ratio is re-expressed against the new one.
+is a model, right or wrong by the host. So a fresh arbiter starts led by a fixed mode
+(`first_leader`: plain, which needs no draft), the planner takes the lead from a fixed mode only
+when its mean ratio clears `plan_switch_z` standard errors, not `switch_z`, and it is probed as the
+long shot it is: at a new load after the fixed modes, at `plan_warm_share` of the leader's time.
+With 1-s pairings spreading 15-30 % and three or four of them in a level, whichever mode leads
+keeps the lead when the others are close: started led by the planner, or letting it lead on four
+pairings that put it 13 % above 'on', auto ran at 0.90-0.94 of the better fixed policy at the
+loads the planner ended up leading.
+
+The leader's figure is its latest window, not each mode's own long-run goodput: a stale figure
+from a faster period of the host would win against fresh ones (compared that way, auto ran at
+0.93-0.94 of the better fixed policy at 1-4 streams). The figure is dropped when the leader goes
+unmeasured `stale_after_s` (a new benchmark cell, a lull, forced traffic), no probe starts before
+the leader is measured afresh, and a mode takes the lead only right after a probe paired it with
+the leader. On a change of leader every ratio is re-expressed against the new one.
 
 Steps whose batch is all forced the same way (every sequence 'on' at the default k, or every
 sequence 'off') update that mode's displayed goodput only: they are neither a probe nor a window
 of the leader, and a probe that has gone `stale_after_s` without a step (the auto cell ended) is
-dropped rather than finished in the next one. Pairing them with the leader's latest
-window (run AR, b602809) misled the arbiter: in the benchmark a forced cell starts right after an
-auto cell, and its first seconds were paired with the auto cell's last leader window, across the
-cell boundary; 104 such pairings made 'off' the leader at 4 streams, where 'on' won by 26 %.
+dropped rather than finished in the next one. Pairing them with the leader's latest window
+misleads the arbiter: in the benchmark a forced cell starts right after an auto cell, and its first
+seconds would pair with the auto cell's last leader window, across the cell boundary (104 such
+pairings made 'off' the leader at 4 streams, where 'on' won by 26 %).
 
 The planner is stateful, the fixed modes are not: what it decides for a sequence depends on that
 sequence's history (the draft's catch-up owed for tokens decoded plainly, its own acceptance
 record, the plain hold). After an 'on' probe every sequence owes no catch-up and the planner drafts
 as 'on' does; after an 'off' probe each owes a second of tokens and it stays plain as 'off' does.
-So a 'plan' window beside a probe measured the probe's mode again: at 8 streams (run AW) 'on' was
-paired at 1.01 of the planner, the leader's windows around the probes ran at 400-510 tok/s against
-the planner's 370-420 elsewhere, and the cells gave 'on' 10 % more. A 'plan' step is therefore
+So a 'plan' window beside a probe measures the probe's mode again (at 8 streams 'on' paired at
+1.01 of the planner that way, the leader's windows around the probes ran at 400-510 tok/s against
+the planner's 370-420 elsewhere, and the cells gave 'on' 10 % more). A 'plan' step is therefore
 measured only when every sequence in its batch has run in 'plan' alone since it joined (a probe of
 'plan' waits for the batch to turn over, and so does the planner's window after a probe of
 another mode); an 'on' or 'off' step owes its history only the catch-up, paid in the settling steps.
@@ -91,13 +92,13 @@ A probe that cannot fill its window within `probe_max_s` (its own steps, or the 
 it) is dropped unpaired, and the mode waits its share of that time before the next.
 
 A step is judged under its load, not its own batch size: in a closed loop of two streams 17 % of
-the steps run one sequence while the other stream's next request is routed and prefilled (run AS,
-bench/RESULTS.md section 7), and keyed by batch size those steps ran in bucket b1's mode, learned
-at one stream ('off'), where the 2-stream load drafts ('on' won by 21 %). The largest batch of the
-last `load_window_s` (1 s: tens of steps at low load, a few at 32 streams) names the load.
+the steps run one sequence while the other stream's next request is routed and prefilled, and
+keyed by batch size those steps would run in bucket b1's mode, learned at one stream ('off'), where
+the 2-stream load drafts ('on' wins by 21 %). The largest batch of the last `load_window_s` (1 s:
+tens of steps at low load, a few at 32 streams) names the load.
 
 A pairing is only as good as the assumption that the host ran at one speed across its three windows.
-On the 2-core CPU host (a VM) it often did not: the share of CPU the hypervisor stole explained
+On the 2-core CPU host (a VM) it often does not: the share of CPU the hypervisor steals explains
 three quarters of one fixed policy's cell-to-cell spread (r = -0.87, ~1.4 % of goodput per point of
 steal; app/host_steal.py). With a steal meter the windows carry the host's steal share, and a
 pairing whose probe window's steal differs from the mean of the leader's windows around it by more
@@ -161,7 +162,7 @@ class ModeArbiter:
         b = self._buckets.get(key)
         if b is None:
             # a new load starts led by the nearest load's leader (first_leader when none): its warm-up
-            # then runs mostly in a mode likely right (run AU: led by the planner, the first two auto
+            # then runs mostly in a mode likely right (led by the planner instead, the first two auto
             # cells at 8 streams and at 16 ran at 0.7-0.8 of 'on' until the warm-up moved the lead)
             near = min(self._buckets, key=lambda k: (abs(k.bit_length() - key.bit_length()), k), default=None)
             b = self._buckets[key] = LoadBucket({m: ModeStats(share=self.config.base_share) for m in MODES},
@@ -171,9 +172,9 @@ class ModeArbiter:
                 self._inherit_clear_losers(self._buckets[near], b, now)
             if b.leader != "plan" and b.stats["plan"].probe_s == 0:
                 # the planner is the long shot: its first probe here waits its share of a probe's length
-                # (every fixed mode's is due at once). Its probes wait for the batch to turn over: in run
-                # BK the three of its warm-up took 8.8 s of auto's ~72 at 16 streams, in a mode at 0.88
-                # of 'on'; it led no load in runs BH-BK but one it led wrongly (b32 in BK)
+                # (every fixed mode's is due at once). Its probes wait for the batch to turn over: at 16
+                # streams on the CPU app the three of its warm-up took 8.8 s of auto's ~72, in a mode at
+                # 0.88 of 'on', and over four sweeps the only load it led it led wrongly (32 streams)
                 near_s = self._buckets[near].stats["plan"].probe_s if near is not None else 0.0
                 b.stats["plan"].probe_s = max(near_s, self.config.probe_min_s)
         if b.probe is not None and now - b.probe.last_t > self.config.stale_after_s:
@@ -183,8 +184,8 @@ class ModeArbiter:
 
     def _far_early(self, s: ModeStats) -> bool:
         """Surely under far_ratio of the leader after warm_loser_pairings: its warm-up ends (it cannot
-        take the lead before warm_pairings anyway). Why: at 16 streams in run BT three warm-up probes of
-        'off' (0.76, 0.75, 0.71 of 'on', each a ~2.5-s window and the switch back) took 7.7 s of auto's
+        take the lead before warm_pairings anyway). Why: at 16 streams on the CPU app three warm-up probes
+        of 'off' (0.76, 0.75, 0.71 of 'on', each a ~2.5-s window and the switch back) take 7.7 s of auto's
         ~78 and cost it ~3 %; two such pairings already put the mode surely under far_ratio."""
         c = self.config
         return (s.pairings >= c.warm_loser_pairings and s.ratio is not None
@@ -196,20 +197,20 @@ class ModeArbiter:
         so one own pairing that agrees ends its warm-up (_far_early), and one that disagrees leaves it
         warming up (a crossover is still found). A mode that was close there gets the full warm-up here.
         Why one probe, not none: the warm-up's probes are the arbiter's main cost where a level is short
-        and steps long (runs BC, BD: ~30 % of auto's time at 32 streams with two or three probes of each
-        mode), but a verdict spans a crossover unmeasured. In run CU (8c43513) b2 paired 'on' at ~0.80 of
-        'off', b4 inherited it with its first probe 67 s away (1 s over the share it had there), and auto
-        decoded plainly through the whole level where forced 'on' was ~7 % faster (0.88 of 'on'); run CI
-        (d48c541) lost four levels to a chain of such verdicts. One confirming probe costs a level ~0.5-1 %
-        (run BY: two cost b16 4.2 s of ~78 at 0.72 of 'on'); missing a crossover costs the whole gap."""
+        and steps long (~30 % of auto's time at 32 streams with two or three probes of each mode), but a
+        verdict spans a crossover unmeasured. Passed on as a verdict, b2's 'on' at ~0.80 of 'off' put
+        b4's first 'on' probe 67 s away, and auto decoded plainly through the whole 4-stream level where
+        forced 'on' was ~7 % faster (0.88 of 'on'); a chain of such verdicts lost a sweep four levels.
+        One confirming probe costs a level ~0.5-1 % (two cost b16 4.2 s of ~78 at 0.72 of 'on');
+        missing a crossover costs the whole gap."""
         for m in MODES:
             if m == b.leader:
                 continue
             src = near.stats[m]
             self._decay_evidence(src, now)
-            # surely worse as soon as its warm-up there ended early (_far_early): in run BX (2e29455) b8 ended
-            # 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on', and b16 and b32 each warmed it up
-            # again in full (4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72); a suspect costs one probe.
+            # surely worse as soon as its warm-up there ended early (_far_early): when b8 ends 'off''s
+            # warm-up after two pairings at 0.80 and 0.75 of 'on', warming it up again in full costs b16 and
+            # b32 4.3 and 4.7 s of ~75 and ~52 in a mode at 0.66-0.72; a suspect costs one probe.
             # Only a load's own pairings pass a loser on: a suspect not yet probed here has one pseudo-
             # pairing, not enough for _far_early, so the next load warms it up in full.
             if not self._far_early(src):
@@ -217,18 +218,18 @@ class ModeArbiter:
             dst = b.stats[m]
             dst.seed(src.ratio, now)
             dst.pairings = self.config.warm_loser_pairings - 1  # _far_early needs one own pairing on top
-            # The share it reached there, for the probes after the confirming one: in runs BU/BV b16 had cut
-            # 'off' (0.77 of 'on') to 0.015, b32 started it at 0.03 again, and its one probe cost a 13-s cell
-            # ~18 %. No lower than one halving from the base (the confirming probe halves it again), so a
+            # The share it reached there, for the probes after the confirming one: with b16 having cut
+            # 'off' (0.77 of 'on') to 0.015, a b32 that starts it at 0.03 again spends ~18 % of a 13-s cell
+            # on its one probe. No lower than one halving from the base (the confirming probe halves it again), so a
             # load past a crossover still probes the mode within a few of its probe's lengths / base_share.
             dst.share = max(src.share, self.config.base_share / 2)
 
     def _share(self, m: StepMode, s: ModeStats) -> float:
         """The time share of a mode's probes: high for a fixed mode until it is paired warm_pairings times,
         and high again while its mean ratio says it may beat the leader (a contender, raced until the lead
-        moves or the mean falls back). Why: at 4 streams in run BN 'on' paired at 1.10, 1.02 and 0.93
-        of the inherited leader 'off' (the cells gave it ~9 % more), short of the switch; its next probe
-        waited 33 s at the base share, and auto ran 41 s of its level in 'off'."""
+        moves or the mean falls back). Why: at 4 streams on the CPU app 'on' paired at 1.10, 1.02 and 0.93
+        of the inherited leader 'off' (the cells gave it ~9 % more), short of the switch; at the base share
+        its next probe waited 33 s, and auto ran 41 s of its level in 'off'."""
         c = self.config
         if s.pairings < c.warm_pairings and not self._far_early(s):
             return c.plan_warm_share if m == "plan" else c.warm_share
@@ -238,8 +239,8 @@ class ModeArbiter:
                 and s.ratio + c.contender_z * s.std_error(c.probe_cv) > 1.0:
             # ... and a fixed mode that may still beat it: racing a close mode costs little (its ratio is
             # near 1), leaving it at the base share costs the whole gap when it is the better one. At 4
-            # streams in run CC 'on' (9 % faster in the forced cells) paired at 0.99, 0.98 and 0.97 of the
-            # inherited 'off' in its warm-up; at the base share it took 43 s of auto's ~78 to move the lead.
+            # streams 'on' (9 % faster in the forced cells) can pair at 0.99, 0.98 and 0.97 of the inherited
+            # 'off' in its warm-up; at the base share it then takes 43 s of auto's ~78 to move the lead.
             # Not the planner (its probes wait for the batch to turn over, ~9 s at 16-32 streams).
             return c.warm_share
         return s.share

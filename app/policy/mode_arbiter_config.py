@@ -1,5 +1,5 @@
-"""The mode arbiter's settings (mode_arbiter.py says why each rule exists; the runs named here are in
-bench/RESULTS.md section 7)."""
+"""The mode arbiter's settings (mode_arbiter.py says why each rule exists). The figures quoted are
+measurements of the Serve app on the 2-core CPU host (`bench.load`)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ class ModeArbiterConfig(BaseModel):
                                                            "against the forced policy of that mode)")
     step_trace_path: str | None = Field(None, description="a diagnostic: the target server appends every engine "
                                                            "step (times, tokens, mode, sequence ids) to this file "
-                                                           "as a JSON line (bench.step_trace reads it)")
+                                                           "as a JSON line")
     probe_min_steps: int = Field(8, ge=1, description="a probe of a non-leading mode runs at least this many steps "
-                                                      "(4-step windows at 32 streams differed up to 2x, run AT)")
+                                                      "(4-step windows at 32 streams differ up to 2x)")
     probe_min_s: float = Field(1.0, ge=0.0, description="... and at least this many seconds; the leader is measured "
                                                         "as long before and after it, to pair with (0.25 s windows "
-                                                        "spread ~30 % at 2 streams, run AT)")
+                                                        "spread ~30 % at 2 streams)")
     probe_max_s: float = Field(10.0, gt=0.0, description="a probe's own steps, and the leader's after it, that "
                                                          "have not filled a window in this many seconds end it "
                                                          "unpaired (a 'plan' window waits for the batch to turn "
@@ -36,13 +36,13 @@ class ModeArbiterConfig(BaseModel):
                                                                     "its last probe's length (probe_min_s, or the "
                                                                     "nearest load's) / this share before its first "
                                                                     "probe at a load: a model, the long shot (0.05: "
-                                                                    "3.5-7.5 % of auto's time per level in run BS, "
-                                                                    "no bucket led, b32's 4.5 s never paired)")
+                                                                    "3.5-7.5 % of auto's time per level, no "
+                                                                    "bucket led, b32's 4.5 s probe never paired)")
     warm_share: float = Field(1.0, gt=0.0, le=1.0, description="time share of probes of a fixed mode not yet paired "
                                                                "warm_pairings times")
     base_share: float = Field(0.03, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader "
-                                                                "(0.05: probes took ~13 % of auto's time at 2 streams "
-                                                                "in modes 6-13 % worse, run AU)")
+                                                                "(0.05: probes take ~13 % of auto's time at 2 streams "
+                                                                "in modes 6-13 % worse)")
     min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
     far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a mode surely under this share of the leader "
                                                                "(mean ratio + far_z standard errors) halves its share")
@@ -57,7 +57,7 @@ class ModeArbiterConfig(BaseModel):
     contender_z: float = Field(0.5, ge=0.0, description="a fixed mode whose mean ratio + this many standard errors "
                                                         "is above the leader's is raced at warm_share (see _share)")
     probe_cv: float = Field(0.2, gt=0.0, description="prior spread of one probe's ratio (its coefficient of "
-                                                     "variation; ~0.2 for 0.25-s probes at one stream, run AP-diag)")
+                                                     "variation; ~0.2 for 0.25-s probes at one stream)")
     half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
                                                               "for display (snapshot); decisions use paired ratios")
     stale_after_s: float = Field(5.0, gt=0.0, description="a leader unmeasured this long has no current figure: "
@@ -73,7 +73,7 @@ class ModeArbiterConfig(BaseModel):
     window_lifetimes: float = Field(1.0, ge=0.0, description="every window (the leader's before and after a probe, "
                                                               "the probe's) lasts at least this many mean sequence "
                                                               "lifetimes at its load, up to probe_max_s / 2 (closed-"
-                                                              "loop batches move in waves; run BK, 32 streams)")
+                                                              "loop batches move in waves)")
     load_window_s: float = Field(1.0, ge=0.0, description="a step is judged in the bucket of its load: the largest "
                                                           "batch of the last this many seconds, its own included "
                                                           "(0: the step's own batch size)")

@@ -16,15 +16,15 @@ maximises the batch's goodput:
     wall(S, k)   = max(time(S, k), b · t_beside)                             the streaming beside it
 
 (The target pads every row of a pass to its longest input, so a plain row in a drafting step
-costs as much target time as a drafting one: measured on the embedded CPU target at batch 32
-(bench/pad_cost.py), 31 one-token rows and one 5-token row 99 ms, all 32 rows at 5 tokens 99 ms,
+costs as much target time as a drafting one: measured on the embedded CPU target at batch 32,
+31 one-token rows and one 5-token row 99 ms, all 32 rows at 5 tokens 99 ms,
 all at 1 token 75 ms. With a ragged pass (`padded=False`) the term is t_target(Σ_{s∈S}(k_s + 1) + (b − |S|)).
 t_chunk, t_beside: streaming one sequence's chunk where the router and proxy share the model's
 cores. Part of it contends with the engine thread and lengthens the step (t_chunk); the rest runs
 in the router and proxy on the core the engine leaves free, and binds only once the batch's chunks
-outlast the step (t_beside). Measured on the 2-core CPU app, a plain step took 0.4, 0.5, 2.3 and
-21.7 ms more than its engine parts at 1, 2, 4 and 16 streams (bench/RESULTS.md section 7, session
-10): neither all added nor all beside fits that. c_s: the
+outlast the step (t_beside). Measured on the 2-core CPU app, a plain step takes 0.4, 0.5, 2.3 and
+21.7 ms more than its engine parts at 1, 2, 4 and 16 streams: neither all added nor all beside
+fits that. c_s: the
 draft prefill a sequence needs before it can draft again — its whole context when the draft never
 saw it, every token of the plain steps since it last drafted — paid once and then good for its
 remaining R_s tokens, so a step is charged the share of it that its E tokens use up) over
@@ -222,7 +222,7 @@ def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw
     Optimism keeps a sequence whose estimate fell after one unlucky step drafting, so its
     estimate can recover (app/acceptance.py token_alpha_upper), but only in a step that drafts on
     the mean as well: a step whose draft call only optimism would start stays plain. Choosing
-    the depth on it as well drafts too deep: measured at 1 stream (bench/RESULTS.md section 7, run N) the planner then
+    the depth on it as well drafts too deep: measured at 1 stream on the CPU app, the planner then
     drafted 6.5 tokens per drafting step at acceptance 0.46 and fell below both fixed policies.
     Keyword arguments go to `plan_step` (not `only_depth`).
     """
@@ -231,7 +231,7 @@ def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw
     # call (the draft's steps, the exchange, the padded pass) for it. Measured on the CPU app:
     # with optimism deciding alone, auto drafted in about half the steps at 1 stream and lost 4 %
     # to "off"; without optimism anywhere it drafted shallower at 8-32 streams and lost 3-5 % to
-    # "on" (bench/RESULTS.md section 7, session 11). So the plan on the mean comes first, and a
+    # "on". So the plan on the mean comes first, and a
     # plain one (or an exploration step) stands: one plan_step where nothing drafts, as at 1 stream.
     on_mean = plan_step(candidates, costs, **kw)
     mean_drafting = {i for i, (c, k) in enumerate(zip(candidates, on_mean.ks)) if k > 0 and c.adaptive}
@@ -257,21 +257,20 @@ class StepExplorer:
     `max_every_steps`; it falls back to `every_steps` once the planner has drafted on its own in
     `every_steps` steps since the last exploration. Why: at low load an exploration step is dear.
     Its sequence is new to the draft, so the step prefills its whole context on the draft, then
-    drafts and crosses the exchange twice. Measured
-    on the CPU app at 1 stream (bench.chunk_latency, bench/RESULTS.md section 7, session 15): with
-    one exploration per 64 plain steps, about one per 64-token request, auto took 0.94-0.96 of
+    drafts and crosses the exchange twice. Measured on the CPU app at 1 stream: with one
+    exploration per 64 plain steps, about one per 64-token request, auto took 0.94-0.96 of
     'off''s time per request; with no exploration 0.98, with the interval backing off to 512 steps
     0.995. When explorations keep confirming plain decoding, measuring that often buys nothing;
     acceptance decays by tokens observed, not by time, so a sparser measurement is not a staler one.
 
     The interval is kept per batch size: an exploration that confirmed plain at one stream says
-    nothing about four, where the verify pass is shared and drafting may pay (measured, session
-    14 run AC: with one interval for all sizes, a replica that had backed off at 1-2 streams
-    stopped drafting at 4 while 'on' beat 'off' by 19 %).
+    nothing about four, where the verify pass is shared and drafting may pay (measured on the CPU
+    app with one interval for all sizes: a replica that had backed off at 1-2 streams stopped
+    drafting at 4 while 'on' beat 'off' by 19 %).
 
     Why not fall back at the first step the planner drafts on its own: at 1 stream it drafts in
-    short bursts (2-5 % of steps in bench/RESULTS.md section 7, run AE), and each burst brought the
-    interval back to `every_steps`, and with it the exploration cost the back-off removed. Drafting
+    short bursts (2-5 % of steps on the CPU app), and each burst would bring the interval back to
+    `every_steps`, and with it the exploration cost the back-off removes. Drafting
     that lasts as long as one base interval means acceptance is being measured at this load anyway.
     """
 
@@ -323,9 +322,9 @@ class PlainHold:
     without planning again.
 
     Why: in the served app the planner's Python runs on the engine thread beside the replica's
-    event loop, and measured at 1 stream on the CPU app (bench/RESULTS.md section 7, session 14) a
-    plain step took 4.73 ms per streamed chunk with the planner and 3.78 ms with `_plan_k`
-    bypassed ('off': 4.04 and 3.75 ms in the same runs), although the planner alone costs ~0.1 ms.
+    event loop, and measured at 1 stream on the CPU app a plain step took 4.73 ms per streamed
+    chunk with the planner and 3.78 ms with `_plan_k` bypassed ('off': 4.04 and 3.75 ms in the
+    same runs), although the planner alone costs ~0.1 ms.
     A plain plan rarely turns into a drafting one from one step to the next (acceptance moves only
     when sequences draft; load only when the batch changes, which ends the hold). Not
     thread-safe: one per engine loop."""

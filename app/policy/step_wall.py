@@ -1,26 +1,26 @@
 """The wall seconds an engine step stands for, as the mode arbiter measures goodput with them.
 
 The arbiter (mode_arbiter.py) compares modes by output tokens over wall seconds, and its verdict is
-only as good as the agreement of those seconds with what a client sees. The first form counted a
-step's own time less its newcomers' prefill, plus the loop's short gap before it; a step that only
-prefilled (the engine held no running sequence) and the idle turnaround before it were counted
-nowhere. At one stream that is every request's start: ~11 ms a request uncounted under forced
-'off' and ~35 ms under forced 'on' (run BK, 2-core CPU: the arbiter's windows put 'on' at 0.988 of
-'off' where the benchmark's cells measured 0.935), so probes of the drafting modes looked better
-than they were, and auto ran them for 12 % of its time at one stream.
+only as good as the agreement of those seconds with what a client sees. Counting only a step's
+own time less its newcomers' prefill, plus the loop's short gap before it, leaves a step that only
+prefilled (the engine held no running sequence) and the idle turnaround before it counted nowhere.
+At one stream that is every request's start: ~11 ms a request uncounted under forced 'off' and
+~35 ms under forced 'on' (2-core CPU: the arbiter's windows put 'on' at 0.988 of 'off' where the
+benchmark's cells measured 0.935), so probes of the drafting modes looked better than they were,
+and auto ran them for 12 % of its time at one stream.
 
-Now every second of a busy engine, and every token it emits, is some observed step's: a step's own
+So every second of a busy engine, and every token it emits, is some observed step's: a step's own
 time (its prefill included) and tokens (its newcomers' first ones included), the loop's gap before
 it when short (streaming, the next request's turnaround at low load), and a prefill-only step's
 time and tokens carried to the next observed step: what the benchmark's cells count. Only a lull, an idle gap
 longer than `max(idle_s, the step's own time)`, is nobody's: the engine sat empty (a client's think
 time, a benchmark's pause between cells), which no mode is to blame for.
 
-A step trace (bench/step_trace.py, 2026-12-05, 2-core CPU, 1/2/4 streams) checks it against the clients:
-over every cell this accounting gives the clients' goodput to within 0.2 %, while the old one read
-forced 'off' 5-7 % high at 1 and 2 streams (the turnaround of a lockstep batch, where every sequence
-ends on one step, and its prefill went uncounted) and forced 'on' 1-3 % high, mode against mode not
-alike (bench/RESULTS.md section 7, session 30).
+A step trace (`policy.mode_arbiter.step_trace_path`, 2-core CPU, 1/2/4 streams) checks it against
+the clients: over every cell this accounting gives the clients' goodput to within 0.2 %, while the
+one above without prefill-only steps and turnarounds reads forced 'off' 5-7 % high at 1 and 2
+streams (the turnaround of a lockstep batch, where every sequence ends on one step, and its prefill
+go uncounted) and forced 'on' 1-3 % high, mode against mode not alike.
 
 Ray-free; the target server calls `step` once per engine step with the loop's clock.
 """

@@ -208,8 +208,9 @@ def test_lucky_probes_do_not_take_the_lead_before_the_warm_up_ends() -> None:
 
 
 def test_one_bad_probe_does_not_shut_a_mode_out() -> None:
-    """The old rule halved a mode's share on every probe under far_ratio; with noisy probes one bad
-    one started a slide to the floor (run AP: 'off' at 0.005 at one stream, where 'off' won)."""
+    """Halving a mode's share on every probe under far_ratio would let one bad probe among noisy ones
+    start a slide to the floor ('off' at 0.005 at one stream, where 'off' wins): only a mean surely under
+    far_ratio halves it."""
     arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, base_share=0.1)
     first = {"off": True}
 
@@ -527,9 +528,10 @@ def test_a_new_load_confirms_a_mode_the_nearest_load_found_far_worse_with_one_pr
 ])
 def test_a_neighbours_loser_is_probed_once_at_once_then_at_the_share_it_had_there(
         probe_s_there: float, share_there: float, share_here: float) -> None:
-    """Runs BU/BV: b16 had cut 'off' to 0.015, b32 probed it at 0.03 again, and the probe cost a 13-s cell
-    ~18 %. The confirming probe comes at once (run CU: a verdict kept b4 from 'on' for a whole level); the
-    ones after it wait their length over the share the mode had reached there, halved by that probe."""
+    """With b16 having cut 'off' to 0.015, a b32 probing it at 0.03 again spends ~18 % of a 13-s cell on
+    the probe. The confirming probe comes at once (a verdict passed on can keep b4 from 'on' for a whole
+    level); the ones after it wait their length over the share the mode had reached there, halved by that
+    probe."""
     arb = arbiter(probe_min_steps=4, probe_min_s=0.5, settle_steps=0)
     rates = {"plan": 140.0, "on": 150.0, "off": 80.0}
     run(arb, 1500, rates.__getitem__, batch=16, step_s=0.2)
@@ -657,7 +659,7 @@ def test_the_planner_needs_surer_evidence_than_a_fixed_mode_to_take_the_lead(
 def run_waves(arb: ModeArbiter, seconds: float, rates: dict[str, float], *, streams: int = 8,
               lifetime_steps: int = 20, step_s: float = 0.1, high_steps: int = 8) -> None:
     """A closed loop whose requests move in waves, as the benchmark's do (equal max_tokens, ignore_eos:
-    run BK's forced 'off' cells at 32 streams finished exactly two waves of 32 requests each): every
+    a forced 'off' cell at 32 streams finishes exactly two waves of 32 requests each): every
     sequence joins at once and leaves at once. A step's goodput follows its phase in the wave (fresh
     batches run fast, the last steps of a wave slow: capped drafts, finishes, refills), at the mode's
     rate on average over a wave."""
@@ -732,8 +734,8 @@ def test_the_warm_up_at_an_equal_share_hands_a_wrong_first_lead_over_sooner_for_
 
 
 def test_the_planner_is_the_long_shot_probed_after_the_fixed_modes_and_at_a_small_share() -> None:
-    """Run BK: the planner's three warm-up probes took 4.7-8.8 s of auto's ~72 s at every load, in a
-    mode 0-12 % worse than the leader, and it led no load rightly in runs BH-BK. At a new load the
+    """Probed like a fixed mode, the planner's three warm-up probes take 4.7-8.8 s of auto's ~72 s at
+    every load on the CPU app, in a mode 0-12 % worse than the leader. At a new load the
     fixed modes are probed at once; the planner's first probe waits probe_min_s / plan_warm_share."""
     arb = arbiter(first_leader="off", plan_warm_share=0.05)
     rates = {"plan": 1050.0, "on": 900.0, "off": 1000.0}

@@ -197,7 +197,7 @@ def test_a_slowdown_seen_on_plain_steps_alone_prices_drafting_alike(speed_decay:
     """At 1 stream the plain step is measured every step and the drafting parts rarely: when the host
     slows down 1.5x, only plain steps report it. With the machine-speed factor every price rises
     alike and drafting keeps its price relative to plain; without it (speed_decay 0) the stale
-    drafting parts make drafting look ~25 % cheaper than it is (RESULTS section 7, runs Y and Z)."""
+    drafting parts make drafting look ~25 % cheaper than it is."""
     costs = StepCosts(StepCostsConfig(speed_decay=speed_decay))
     _warm_pair(costs)
     before = speedup(0.6, 5, 1, costs)
