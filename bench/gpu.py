@@ -290,7 +290,7 @@ def main() -> None:
                               "draft_weights": args.draft_weights, "int8_one_row": args.int8_one_row,
                               "int8_pins": args.int8_pins}
     if args.int8_pins:
-        from bench.gpu_draft_step import load_pins
+        from bench.int8_pins import load_pins
         load_pins(args.int8_pins)
     bw = copy_bandwidth()
     target_hf, draft_hf = random_llama("8b"), random_llama("1b")

@@ -35,6 +35,7 @@ import time
 import torch
 
 from bench.gpu_int8_gemv import SHAPES  # the 1B draft's weight shapes (name -> (out, in))
+from bench.int8_pins import load_pins
 
 CANDIDATES = [(8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 4), (32, 256, 8), (64, 128, 8), (8, 512, 4),
               (4, 512, 4), (4, 1024, 4), (8, 1024, 4), (2, 512, 4), (4, 256, 2), (8, 256, 2), (2, 1024, 4)]
@@ -82,14 +83,6 @@ def cold_table(path: str, rows: tuple[int, ...] = (1, 2)) -> None:
             print(f"{name:10} {m:>2}  {list(row)[best]} ({us[best]:.2f})  {row}", flush=True)
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "pins": pins, "cold_us": table}, f, indent=1)
-
-
-def load_pins(path: str) -> None:
-    from app import int8_gemv
-
-    with open(path) as f:
-        # rows of (N, K, M, BLOCK_N, BLOCK_K, num_warps[, SPLIT_K, form]): --cold-table's, or bench.gpu_split_k's
-        int8_gemv.pin({(n, k, m): tuple(config) for n, k, m, *config in json.load(f)["pins"]})
 
 
 def kernel_profile(fd, steps: int = 20, rows: int = 1) -> dict[str, float]:

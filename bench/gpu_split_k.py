@@ -318,7 +318,7 @@ def main() -> None:
             if args.pins:
                 variants.append((f"after (defaults + {args.pins})", {**int8_gemv.PINNED, **read_pins(args.pins)}))
         elif args.pins:
-            from bench.gpu_draft_step import load_pins
+            from bench.int8_pins import load_pins
             load_pins(args.pins)
         res = loop_steps([int(r) for r in args.loop_steps.split(",")], variants=variants)
         if args.json:
