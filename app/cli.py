@@ -8,8 +8,9 @@ import sys
 
 from pydantic import ValidationError
 
-from app.config import SamplingParams, load_engine_config
+from app.config import load_engine_config
 from app.generate import build_engine, generate
+from app.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

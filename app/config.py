@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.policy.decision import PolicyConfig
+from app.sampling_params import SamplingParams  # noqa: F401  (re-exported: modules that import it from here)
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 ProposerKind = Literal["draft_model", "ngram"]
@@ -60,22 +61,6 @@ class SpeculationConfig(StrictModel):
                 f"{self.max_speculative_tokens}"
             )
         return self
-
-
-class SamplingParams(StrictModel):
-    """Per-request sampling. temperature 0 means greedy."""
-
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    max_tokens: int = Field(64, ge=1, le=1_000_000)
-    stop: tuple[str, ...] = ()
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class EngineLimits(StrictModel):

@@ -7,10 +7,11 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from app.acceptance import AcceptanceStats
-from app.config import EngineConfig, SamplingParams
+from app.config import EngineConfig
 from app.engine import FinishReason, SpecEngine, StepPlanner
 from app.model_runner import ModelRunner
 from app.proposers import DraftModelProposer, Proposer, make_proposer
+from app.sampling_params import SamplingParams
 from app.tokenizer_compat import check_compatible
 
 

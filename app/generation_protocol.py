@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.config import SamplingParams
+from app.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

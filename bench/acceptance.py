@@ -21,11 +21,12 @@ import torch
 from tqdm import tqdm
 
 from app.acceptance import AcceptanceStats
-from app.config import ModelSpec, SamplingParams
+from app.config import ModelSpec
 from app.engine import SpecEngine
 from app.generate import generate
 from app.model_runner import ModelRunner
 from app.proposers import DraftModelProposer, NgramProposer, Proposer
+from app.sampling_params import SamplingParams
 from app.train_pair import read_text, stdlib_files
 
 

@@ -44,9 +44,10 @@ from pathlib import Path
 
 import torch
 
-from app.config import PROJECT_ROOT, SamplingParams, load_engine_config
+from app.config import PROJECT_ROOT, load_engine_config
 from app.engine import SpecEngine
 from app.generate import build_engine
+from app.sampling_params import SamplingParams
 
 from bench.load import PROMPTS  # the same code prompts as the load sweep
 LEVELS = (1, 2, 4, 8, 16, 32)

@@ -21,10 +21,11 @@ import ray
 import torch
 from ray import serve
 
-from app.config import AppConfig, ModelSpec, SamplingParams, load_yaml
+from app.config import AppConfig, ModelSpec, load_yaml
 from app.draft_protocol import DraftSeqDelta, DraftStepRequest
 from app.kv_cache import SequenceKV
 from app.model_runner import ModelRunner
+from app.sampling_params import SamplingParams
 from deployments.draft_server import DraftServer
 
 

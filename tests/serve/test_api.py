@@ -9,8 +9,9 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from app.config import SamplingParams, load_engine_config
+from app.config import load_engine_config
 from app.generate import GenerationResult, build_engine, generate
+from app.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.serve
 

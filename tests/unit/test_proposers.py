@@ -8,12 +8,13 @@ import copy
 import pytest
 import torch
 
-from app.config import EngineConfig, ModelSpec, SamplingParams, SpeculationConfig
+from app.config import EngineConfig, ModelSpec, SpeculationConfig
 from app.engine import ProposerUnavailable, SpecEngine
 from app.proposers import DraftModelProposer, NgramProposer, make_proposer
 from app.proposers.base import Proposal, ProposalRequest, Proposer
 from app.proposers.ngram import ngram_lookup
 from app.proposers.oracle import OracleProposer
+from app.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32)
 

@@ -13,11 +13,11 @@ import copy
 
 import pytest
 
-from app.config import SamplingParams
 from app.detokenizer import StopChecker
 from app.engine import SpecEngine
 from app.proposers import DraftModelProposer
 from app.proposers.oracle import OracleProposer
+from app.sampling_params import SamplingParams
 
 FOX = "The quick brown fox"  # greedy: ' jumps over the original Python module.\n\nThe "as" is a ...'
 

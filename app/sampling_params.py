@@ -1,0 +1,29 @@
+"""Per-request sampling settings, the request type every layer shares.
+
+The router builds it from an OpenAI request; the engine, the proposers, sampling and verification
+and the draft server read it. It lives apart from app/config.py, which imports the policy's
+settings (app/policy), so that the modules below the policy can import it without a circle: it
+depends on pydantic alone.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling. temperature 0 means greedy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_tokens: int = Field(64, ge=1, le=1_000_000)
+    stop: tuple[str, ...] = ()
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
