@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from app.config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpeculationMode
@@ -322,6 +322,38 @@ class ChatCompletionRequest(_Request):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     prompt_cache_key: str | None = Field(None, max_length=512)
     safety_identifier: str | None = Field(None, max_length=512)
+
+
+# ---- /tokenize and /detokenize (as vLLM's) --------------------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(False, description="false: as /v1/completions tokenizes a prompt")
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
+    add_generation_prompt: bool = Field(True, description="true: as /v1/chat/completions templates")
+    add_special_tokens: bool = Field(False, description="false: as /v1/chat/completions tokenizes")
+    return_token_strs: bool = False
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return template_messages(self.messages)
+
+
+class TokenizeRequest(RootModel[TokenizeChatRequest | TokenizeCompletionRequest]):
+    """/tokenize's body: {"prompt"} or {"messages"} (its OpenAPI schema; parsed as `tokenize_model` picks)."""
+
+
+def tokenize_model(data: dict[str, Any]) -> type[TokenizeChatRequest] | type[TokenizeCompletionRequest]:
+    return TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 class SpeculationUsage(BaseModel):

@@ -1,10 +1,11 @@
 """Router: the HTTP ingress. Validates, tokenizes, asks the policy, streams from a target replica.
 
 OpenAI-compatible: /v1/completions, /v1/chat/completions (stream or not), /v1/models,
-/health. Bad input gets OpenAI error JSON with a 4xx. A request for several choices (n > 1, a
-list of prompts) runs one generation per choice on the targets, concurrently. A target replica
-that dies mid-request is replaced transparently: the request is re-issued to another replica with
-the prompt plus every token already streamed, so the stream continues where it stopped.
+/health; /tokenize and /detokenize as vLLM's. Bad input gets OpenAI error JSON with a 4xx. A
+request for several choices (n > 1, a list of prompts) runs one generation per choice on the
+targets, concurrently. A target replica that dies mid-request is replaced transparently: the
+request is re-issued to another replica with the prompt plus every token already streamed, so the
+stream continues where it stopped.
 """
 
 import asyncio
@@ -27,8 +28,9 @@ from app.health import ProbeSettings, TargetHealth
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.model_runner import load_tokenizer
 from app.openai_protocol import (
-    UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response,
-    completion_chunk, completion_response, error_body, new_id, template_messages,
+    UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+    TokenizeRequest, chat_chunk, chat_response, completion_chunk, completion_response, error_body, new_id,
+    template_messages, tokenize_model,
 )
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
 from deployments.metrics_ray import ServeMetrics
@@ -243,6 +245,42 @@ class Router:
     async def chat_completions(self, request: Request):
         return self._count_error(await self._handle(request, chat=True))
 
+    @fastapi_app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """As vLLM's: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens", "token_strs"}.
+        By default the ids /v1/completions and /v1/chat/completions would feed the model."""
+        try:
+            body = await self._parse(request, tokenize_model)
+            self._check_model(body.model)
+            if isinstance(body, TokenizeChatRequest):
+                text = self.tokenizer.apply_chat_template(body.template_messages(), tokenize=False,
+                                                          add_generation_prompt=body.add_generation_prompt)
+            else:
+                text = body.prompt
+            ids = self.tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"]
+        except RequestError as e:
+            return e.response()
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_context, "tokens": ids, "token_strs": strs})
+
+    @fastapi_app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """As vLLM's: {"tokens"} -> {"prompt"}."""
+        try:
+            body = await self._parse(request, DetokenizeRequest)
+            self._check_model(body.model)
+            vocab = len(self.tokenizer)
+            if any(t < 0 or t >= vocab for t in body.tokens):
+                raise RequestError(400, f"token ids must lie in [0, {vocab})", "tokens")
+        except RequestError as e:
+            return e.response()
+        return JSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise RequestError(404, f"model {model!r} does not exist; this server serves "
+                                    f"{self.config.model_name!r} (see GET /v1/models)", "model", "model_not_found")
+
     def _count_error(self, response):
         """specserve_request_errors_total{status} for a request answered with a 4xx/5xx."""
         if getattr(response, "status_code", 200) >= 400:
@@ -281,9 +319,7 @@ class Router:
     async def _handle(self, request: Request, chat: bool):
         try:
             body = await self._parse(request, ChatCompletionRequest if chat else CompletionRequest)
-            if body.model != self.config.model_name:
-                raise RequestError(404, f"model {body.model!r} does not exist; this server serves "
-                                        f"{self.config.model_name!r} (see GET /v1/models)", "model", "model_not_found")
+            self._check_model(body.model)
             prompts = self._tokenize(body, chat)
             rooms = [self._room(body, ids, chat, i if len(prompts) > 1 else None) for i, (ids, _) in enumerate(prompts)]
         except RequestError as e:
@@ -344,6 +380,7 @@ class Router:
         return room
 
     async def _parse(self, request: Request, model):
+        """The body as `model` (or as the model `model(data)` picks), or a 400 naming the field."""
         raw = await request.body()
         try:
             data = json.loads(raw)
@@ -359,6 +396,8 @@ class Router:
             raise RequestError(400, "request body contains a lone UTF-16 surrogate escape") from None
         except RecursionError:
             raise RequestError(400, "request body is nested too deeply") from None
+        if not isinstance(model, type):
+            model = model(data)
         try:
             return model.model_validate(data)
         except ValidationError as e:

@@ -243,6 +243,35 @@ def test_usage_chunk_only_when_asked(client: httpx.Client, extra: dict, usage: b
         assert not with_usage and all(p["choices"] and "usage" not in p for p in payloads)
 
 
+# ---- /tokenize and /detokenize (as vLLM's) ----------------------------------------------------------
+def test_tokenize_gives_the_ids_completions_feed_the_model(client: httpx.Client) -> None:
+    prompt = PROMPTS[1]
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": prompt})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"count", "max_model_len", "tokens", "token_strs"} and out["token_strs"] is None
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == client.get("/v1/models").json()[
+        "data"][0]["max_model_len"]
+    by_text = complete(client, prompt, max_tokens=8)
+    by_ids = complete(client, out["tokens"], max_tokens=8)  # type: ignore[arg-type]
+    assert by_text["usage"]["prompt_tokens"] == out["count"]
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    back = client.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": prompt}
+
+
+def test_tokenize_messages_as_chat_templates_them(client: httpx.Client) -> None:
+    r = client.post("/tokenize", json={"model": MODEL, "messages": CHAT, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["token_strs"]) == out["count"] and all(isinstance(s, str) for s in out["token_strs"])
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4,
+                                                     "temperature": 0})
+    assert chat.json()["usage"]["prompt_tokens"] == out["count"]
+    bare = client.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()  # model optional
+    assert bare["count"] < out["count"] and out["tokens"][:bare["count"]] == bare["tokens"]
+
+
 def test_auto_is_the_default_and_explains_itself(client: httpx.Client) -> None:
     out = complete(client, PROMPTS[3])
     spec = out["usage"]["speculation"]

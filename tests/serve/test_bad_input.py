@@ -21,6 +21,7 @@ LONG_TEXT = "x = 1\n" * 600  # ~2400 tokens > CONTEXT
 NEAR_FULL_TEXT = "x = 1\n" * 500  # ~2000 tokens: fits, but not with max_tokens 100
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
+TOK, DETOK = "/tokenize", "/detokenize"
 OK_COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "def f(x):\n", "max_tokens": 4}
 OK_CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -161,6 +162,20 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("logit_bias_not_yet", CHAT, chat(logit_bias={"5": -100}), 400, "logit_bias", None),
     ("response_format_not_yet", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format",
      None),
+    # /tokenize and /detokenize
+    ("tokenize_invalid_json", TOK, b"{", 400, None, None),
+    ("tokenize_missing_prompt", TOK, {"model": MODEL}, 400, "prompt", None),
+    ("tokenize_prompt_as_number", TOK, {"model": MODEL, "prompt": 5}, 400, "prompt", None),
+    ("tokenize_unknown_field", TOK, {"model": MODEL, "prompt": "x", "chat_template": "{{x}}"}, 400,
+     "chat_template", None),
+    ("tokenize_bad_message", TOK, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role", None),
+    ("tokenize_unknown_model", TOK, {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+    ("detokenize_missing_tokens", DETOK, {"model": MODEL}, 400, "tokens", None),
+    ("detokenize_tokens_as_string", DETOK, {"model": MODEL, "tokens": "1 2"}, 400, "tokens", None),
+    ("detokenize_outside_vocab", DETOK, {"model": MODEL, "tokens": [1, VOCAB]}, 400, "tokens", None),
+    ("detokenize_negative", DETOK, {"model": MODEL, "tokens": [-1]}, 400, "tokens", None),
+    ("detokenize_unknown_model", DETOK, {"model": "gpt-4", "tokens": [1]}, 404, "model", "model_not_found"),
 ]
 
 

@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from app.openai_protocol import (
-    NOT_SUPPORTED, NOT_SUPPORTED_YET, ChatCompletionRequest, CompletionRequest, ResponseFormat, template_messages,
+    NOT_SUPPORTED, NOT_SUPPORTED_YET, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponseFormat,
+    TokenizeChatRequest, TokenizeCompletionRequest, template_messages, tokenize_model,
 )
 
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "def f():\n"}
@@ -217,3 +218,23 @@ def test_usage_chunk_only_when_asked() -> None:
     # ... unless include_usage says otherwise
     assert not completion(stream=True, return_provenance=True,
                           stream_options={"include_usage": False}).usage_in_stream()
+
+
+# ---- /tokenize and /detokenize ---------------------------------------------------------------------
+def test_tokenize_requests() -> None:
+    assert tokenize_model({"prompt": "x"}) is TokenizeCompletionRequest
+    assert tokenize_model({"messages": []}) is TokenizeChatRequest
+    req = TokenizeCompletionRequest.model_validate({"prompt": "x", "model": None})
+    assert req.model is None and not req.add_special_tokens and not req.return_token_strs  # as completions
+    msgs = [{"role": "developer", "content": [{"type": "text", "text": "d"}]}, {"role": "user", "content": "u"}]
+    chat_req = TokenizeChatRequest.model_validate({"model": "m", "messages": msgs})
+    assert chat_req.add_generation_prompt and not chat_req.add_special_tokens
+    assert chat_req.template_messages()[0] == {"role": "system", "content": "d"}
+    for model, data, loc in ((TokenizeCompletionRequest, {"prompt": "x", "tools": []}, ("tools",)),
+                             (TokenizeCompletionRequest, {}, ("prompt",)),
+                             (TokenizeChatRequest, {"messages": []}, ("messages",)),
+                             (DetokenizeRequest, {"tokens": ["a"]}, ("tokens", 0))):
+        with pytest.raises(ValidationError) as e:
+            model.model_validate(data)
+        assert e.value.errors()[0]["loc"] == loc
+    assert DetokenizeRequest.model_validate({"tokens": [1, 2]}).tokens == [1, 2]
