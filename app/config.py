@@ -35,6 +35,13 @@ class ModelSpec(StrictModel):
     device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:N'")
     max_context: int | None = Field(None, ge=16, description="defaults to the model's max_position_embeddings")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads for this process")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="int8: weight-only int8 GEMMs (per-row scales), for a draft: it halves the bytes a "
+        "step reads, and the target's verification keeps the output exact")
+    cuda_graphs: bool = Field(True, description="on CUDA, replay captured graphs per (batch bucket, width)")
+    random_weights: bool = Field(
+        False, description="benchmarks only: build the architecture in `path`/config.json with random weights "
+        "instead of loading them (8B-shaped models on a host without a model hub)")
 
     def resolved_path(self) -> str:
         """Local directories relative to the project root; anything else is a hub id."""

@@ -2,17 +2,20 @@
 tokens and others decode one, all in one target forward per step.
 
 Per step:
-  1. admit waiting requests while the KV budget allows; prefill each (emits its first token)
-  2. choose k per running sequence (0 = plain decoding): the planner sees the whole batch,
+  1. choose k per decoding sequence (0 = plain decoding): the planner sees the whole batch,
      because one speculating sequence makes every sequence of the step wait for the draft
-  3. one batched `proposer.propose()` for every speculating sequence
-  4. one batched target forward: input per sequence = [last token] + its proposals
-  5. verify (greedy or rejection sampling), roll each KV cache back to what was accepted,
-     emit tokens, stop on EOS / max_tokens / stop strings
+  2. one batched `proposer.propose()` for every speculating sequence
+  3. one batched target forward (the runner's): input per sequence = [last token] + its proposals
+  4. verify every row on the device with one host read (app/spec/verify.py), roll each
+     sequence's cache back by length to what was accepted, emit tokens, stop on EOS /
+     max_tokens / stop strings
+  5. admit waiting requests while rows and the KV budget allow, and prefill prompts in chunks
+     of at most `prefill_chunk` tokens a step, so a long prompt does not stall the batch; a
+     sequence whose prompt is complete emits its first token and decodes from the next step
 
-A sequence's truth is its token ids; its target KV holds all of them but the last
-(the last emitted token is fed at the next step). Synchronous and Ray-free: the Serve
-target deployment drives `step()` from its own loop.
+A sequence's truth is its token ids; the runner's cache holds all of them but the last (the
+last emitted token is fed at the next step). The engine holds sequence ids, never cache
+tensors. Synchronous and Ray-free: the Serve target deployment drives `step()` from its loop.
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from app.acceptance import AcceptanceStats
-from app.config import EngineLimits, SamplingParams
+from app.config import EngineLimits
+from app.sampling_params import SamplingParams
 from app.detokenizer import StopChecker
-from app.kv_cache import SequenceKV
-from app.model_runner import ContextOverflow, ModelRunner
 from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
-from app.sampling import next_token
-from app.verification import verify_greedy, verify_sampled
+from app.runners.model_runner import ContextOverflow, ModelRunner
+from app.spec.sampling import sample_token
+from app.spec.verify import RowToVerify, verify_batch
+
+# Prompt tokens prefilled per engine step, all newcomers together: bounds how long a long prompt
+# stalls the decoding batch (one chunk per step) while short prompts still finish in one step.
+PREFILL_CHUNK = 512
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -47,7 +54,7 @@ class Sequence:
     seed: int
     k: int  # the most drafts per step for this request; 0 = plain decoding
     stop: StopChecker
-    kv: SequenceKV = field(default_factory=SequenceKV)
+    prefilled: int = 0  # prompt tokens in the runner's cache before the first token is emitted
     output_ids: list[int] = field(default_factory=list)
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     finish_reason: FinishReason | None = None
@@ -108,14 +115,19 @@ class SpecEngine:
         limits: EngineLimits = EngineLimits(),
         max_k: int = 8,
         plan_k: StepPlanner | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
+        if runner.max_seqs < limits.max_num_seqs:
+            raise ValueError(f"the runner has {runner.max_seqs} cache rows but limits.max_num_seqs is "
+                             f"{limits.max_num_seqs}: build the runner with max_seqs >= max_num_seqs")
         self.runner = runner
         self.proposer = proposer
         self.limits = limits
         self.max_k = max_k
         self.plan_k = plan_k
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}  # admitted: prefilling or decoding, each with a cache row
         self.stats = AcceptanceStats()
         self.last_times = StepTimes()
         self.proposer_errors = 0
@@ -170,7 +182,7 @@ class SpecEngine:
         return bool(self.running or self.waiting)
 
     def cached_tokens(self) -> int:
-        return sum(s.kv.length for s in self.running.values())
+        return self.runner.cached_tokens()
 
     def reserved_tokens(self) -> int:
         return sum(s.reserved_tokens() for s in self.running.values())
@@ -197,8 +209,8 @@ class SpecEngine:
         updates: list[SeqUpdate] = []
         times = StepTimes()
         t0 = time.perf_counter()
-        # Running sequences step first; newcomers are prefilled after and join next step.
-        batch = list(self.running.values())
+        # Decoding sequences step first; prompts are prefilled after, and join the next step.
+        batch = [s for s in self.running.values() if s.prefilled == len(s.prompt_ids)]
         if batch:
             updates += self._decode_step(batch, times)
         t1 = time.perf_counter()
@@ -206,24 +218,37 @@ class SpecEngine:
         while self.waiting and self._fits(self.waiting[0].reserved_tokens()):
             seq = self.waiting.popleft()
             self.running[seq.seq_id] = seq
-            updates.append(self._prefill(seq))
+            self.runner.add(seq.seq_id)
+        updates += self._prefill_chunks()
         times.prefill = time.perf_counter() - t1
         self.last_times = times
         return updates
 
-    def _prefill(self, seq: Sequence) -> SeqUpdate:
-        """Fill the target KV with the prompt and emit the first token."""
-        logits = self.runner.forward([seq.kv], [seq.prompt_ids])[0]  # [prompt_len, vocab]
-        token = next_token(logits[-1], seq.sampling, seq.seed, len(seq.prompt_ids))
-        return self._emit(seq, [token], drafted=0, accepted=0)
+    def _prefill_chunks(self) -> list[SeqUpdate]:
+        """Prefill admitted prompts, oldest first, up to `prefill_chunk` tokens in all (at least one
+        chunk, so a prompt longer than the budget still advances); emit each completed one's first token."""
+        updates, budget = [], self.prefill_chunk
+        for seq in [s for s in self.running.values() if s.prefilled < len(s.prompt_ids)]:
+            if budget <= 0:
+                break
+            n = min(len(seq.prompt_ids) - seq.prefilled, max(budget, 1))
+            logits = self.runner.prefill(seq.seq_id, seq.prompt_ids[seq.prefilled:seq.prefilled + n])  # [vocab]
+            seq.prefilled += n
+            budget -= n
+            if seq.prefilled == len(seq.prompt_ids):
+                token = int(sample_token(logits, seq.sampling, seq.seed, len(seq.prompt_ids)))
+                updates.append(self._emit(seq, [token], drafted=0, accepted=0))
+        return updates
 
     def _decode_step(self, batch: list[Sequence], times: StepTimes) -> list[SeqUpdate]:
         caps = []
         for seq in batch:
-            if seq.kv.length != len(seq.token_ids) - 1:
-                # the cache does not hold the truth (e.g. evicted): rebuild it by prefill
-                seq.kv = SequenceKV()
-                self.runner.forward([seq.kv], [seq.token_ids[:-1]])
+            held = len(seq.token_ids) - 1
+            if self.runner.length(seq.seq_id) != held:
+                # the cache does not hold the truth: rebuild it by prefill (caches are only caches)
+                self.runner.truncate(seq.seq_id, 0)
+                for start in range(0, held, self.prefill_chunk):
+                    self.runner.prefill(seq.seq_id, seq.token_ids[start:min(held, start + self.prefill_chunk)])
             # no proposals past max_tokens (the target adds one) or past the context
             room = min(seq.remaining - 1, self.runner.max_context - len(seq.token_ids) - 1)
             caps.append(max(0, min(seq.k, self.max_k, room)))
@@ -233,30 +258,23 @@ class SpecEngine:
         for seq, cap, k in zip(batch, caps, ks):
             step_k[seq.seq_id] = seq.step_k = max(0, min(k, cap))
         proposals = self._propose([s for s in batch if step_k[s.seq_id] > 0], step_k, times)
-        inputs = [[s.token_ids[-1]] + proposals.get(s.seq_id, Proposal([])).tokens for s in batch]
+        props = [proposals.get(s.seq_id, Proposal([])) for s in batch]
+        inputs = [[s.token_ids[-1]] + p.tokens for s, p in zip(batch, props)]
         t0 = time.perf_counter()
-        logits = self.runner.forward([s.kv for s in batch], inputs)  # each [1 + k_i, vocab]
-        times.target = time.perf_counter() - t0
+        logits, rows = self.runner.step([s.seq_id for s in batch], inputs)  # [B, 1 + max k, vocab]
+        results = verify_batch(logits, [
+            RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, len(s.token_ids))
+            for s, p, row in zip(batch, props, rows)])
+        times.target = time.perf_counter() - t0  # the pass and its verification: one host read ends both
         times.batch_size = len(batch)
-        times.tokens_in_pass = self.runner.last_padded_tokens  # rows x longest input: what the pass computed
+        times.tokens_in_pass = len(batch) * max(len(x) for x in inputs)  # rows x widest input: what the pass computed
         updates = []
-        for seq, rows in zip(batch, logits):
-            proposal = proposals.get(seq.seq_id, Proposal([]))
-            before = len(seq.token_ids) - 1  # KV length before this step's inputs
-            if proposal.tokens:
-                if seq.sampling.greedy:
-                    result = verify_greedy(proposal.tokens, rows)
-                else:
-                    result = verify_sampled(
-                        proposal.tokens, proposal.probs, rows, seq.sampling, seq.seed, len(seq.token_ids)
-                    )
-                tokens, accepted = result.tokens, result.num_accepted
-                seq.kv.crop(before + 1 + accepted)
-                if self.proposer is not None:
-                    self.proposer.observe(seq.seq_id, accepted)
-            else:
-                tokens, accepted = [next_token(rows[-1], seq.sampling, seq.seed, len(seq.token_ids))], 0
-            updates.append(self._emit(seq, tokens, drafted=len(proposal.tokens), accepted=accepted))
+        for seq, proposal, result in zip(batch, props, results):
+            before = len(seq.token_ids) - 1  # cached length before this step's inputs
+            self.runner.truncate(seq.seq_id, before + 1 + result.num_accepted)
+            if proposal.tokens and self.proposer is not None:
+                self.proposer.observe(seq.seq_id, result.num_accepted)
+            updates.append(self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted))
         return updates
 
     def _propose(self, seqs: list[Sequence], step_k: dict[str, int], times: StepTimes) -> dict[str, Proposal]:
@@ -304,6 +322,6 @@ class SpecEngine:
         return SeqUpdate(seq.seq_id, kept, text, seq.finish_reason, drafted, accepted, seq.step_k)
 
     def _release(self, seq: Sequence) -> None:
-        seq.kv = SequenceKV()
+        self.runner.remove(seq.seq_id)
         if self.proposer is not None:
             self.proposer.release(seq.seq_id)

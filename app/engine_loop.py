@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from app.config import SamplingParams
+from app.sampling_params import SamplingParams
 from app.engine import SeqUpdate, SpecEngine
 
 log = logging.getLogger(__name__)

@@ -96,6 +96,13 @@ class FastLlama:
         # Fusing the small elementwise ops (RMSNorm, RoPE, SiLU*up) with torch.compile cuts
         # the kernels per layer roughly 3x; the GEMMs stay cuBLAS. Compiles in seconds, not minutes.
         fuse = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile_elementwise else (lambda f: f)
+        if compile_elementwise:
+            # one compiled variant per (batch 1 or more) x (width 1 or more) x (rows read in place or
+            # gathered) x cache shapes: more than Dynamo's default 8 per function, and past the limit a
+            # fullgraph compile raises instead of running
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, 1024)
         # compile_forward: a torch.compile mode for the whole forward (e.g. "max-autotune-no-cudagraphs":
         # Inductor may also pick Triton GEMM/GEMV kernels for the skinny decode shapes). One compile
         # per input shape, minutes for an 8B; CUDA graphs are still captured by capture().
@@ -140,6 +147,9 @@ class FastLlama:
                     "in_norm": layer.input_layernorm.weight,
                     "post_norm": layer.post_attention_layernorm.weight,
                     "wqkv": gemm(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),  # [(H+2KV)*D, hidden]
+                    # Qwen2 has q/k/v biases, Llama none: `[(H+2KV)*D]` or absent
+                    **({"bqkv": torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])}
+                       if getattr(a.q_proj, "bias", None) is not None else {}),
                     "wo": gemm(a.o_proj.weight),  # [hidden, H*D]
                     "w_gate_up": gemm(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),  # [2*ffn, hidden]
                     "w_down": gemm(mlp.down_proj.weight),  # [hidden, ffn]
@@ -168,10 +178,17 @@ class FastLlama:
 
     # ---- the forward ---------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
+                rows: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
         """tokens, positions: `[B, T]` -> logits `[B, T, vocab]`; writes K/V at `positions`.
+        rows: `[B]` cache rows to use (a prefill into one sequence's slot); None: rows 0..B-1.
+        kv_len: attend over cache positions 0..kv_len-1 only (> every position; eager callers that
+        know their lengths, e.g. on the CPU, where attention over all max_len keys dominates a
+        small model's step); None: all max_len positions, masked (a captured graph's fixed shape).
         last_only: logits of the last position only, `[B, 1, vocab]` (a draft step feeding two tokens
         needs the next token after the second; the lm_head is the largest matrix of a 1B step)."""
+        if rows is not None or kv_len is not None:
+            return self._forward(tokens, positions, last_only, rows, kv_len)
         return self._forward_fn(tokens, positions, last_only)
 
     @torch.inference_mode()
@@ -210,28 +227,41 @@ class FastLlama:
             graph.replay()
         return self._mm(hidden[:, P - 1: P], self.lm_head)[:, 0]  # [1, vocab]
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        h = self._hidden(tokens, positions)  # [B, T, hidden]
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False,
+                 rows: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        h = self._hidden(tokens, positions, rows, kv_len)  # [B, T, hidden]
         if last_only:
             h = h[:, -1:]  # [B, 1, hidden]
         return self._mm(h, self.lm_head)  # [B, T or 1, vocab]
 
-    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The layers: tokens, positions `[B, T]` -> final-normed hidden states `[B, T, hidden]`."""
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
+                kv_len: int | None = None) -> torch.Tensor:
+        """The layers: tokens, positions `[B, T]` -> final-normed hidden states `[B, T, hidden]`.
+        rows `[B]`: the cache rows the batch reads and writes (written in place, read through a
+        gathered copy: meant for a prefill's one or few rows); None: rows 0..B-1, read in place."""
         B, T = tokens.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # [B, T, hidden]
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, T, D]
         # key j is visible to query at position p iff j <= p: stale entries past p are masked
-        mask = self.key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)  # [B, 1, T, max_len]
-        batch_idx = torch.arange(B, device=tokens.device).view(B, 1).expand(B, T)
+        L = self.max_len if kv_len is None else kv_len
+        mask = self.key_pos[:L].view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)  # [B, 1, T, L]
+        batch_idx = (torch.arange(B, device=tokens.device) if rows is None else rows).view(B, 1).expand(B, T)
         h = self._norm(x, self.layers[0]["in_norm"], self.eps)
         for i, L in enumerate(self.layers):
             qkv = self._mm(h, L["wqkv"])  # [B, T, (H+2KV)*D]
-            kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]  # [B, max_len, KV, D]
-            # rope, and this step's K/V written into the static cache at each row's positions
-            q = self._qkv_to_cache(qkv, cos, sin, kc, vc, batch_idx, positions, H, KV, D)  # [B, H, T, D]
-            if self._rows_attention and T == 1 and B > 1:  # read the caches in place (app/rows_attention.py)
+            if "bqkv" in L:
+                qkv = qkv + L["bqkv"]
+            if rows is None:
+                kc, vc = self.k_cache[i, :B], self.v_cache[i, :B]  # [B, max_len, KV, D]
+                # rope, and this step's K/V written into the static cache at each row's positions
+                q = self._qkv_to_cache(qkv, cos, sin, kc, vc, batch_idx, positions, H, KV, D)  # [B, H, T, D]
+            else:  # written in place into the named rows, then those rows gathered for attention
+                q = self._qkv_to_cache(qkv, cos, sin, self.k_cache[i], self.v_cache[i], batch_idx, positions, H, KV, D)
+                kc, vc = self.k_cache[i].index_select(0, rows), self.v_cache[i].index_select(0, rows)
+            if kv_len is not None:
+                kc, vc = kc[:, :kv_len], vc[:, :kv_len]  # [B, L, KV, D]
+            if self._rows_attention and T == 1 and B > 1 and rows is None:  # read the caches in place (app/rows_attention.py)
                 attn = rows_attention.decode_attention(q, kc, vc, positions.reshape(B))  # [B, H, 1, D]
             else:
                 attn = self._attend(q, kc.transpose(1, 2), vc.transpose(1, 2), mask)  # [B, H, T, D]
@@ -291,15 +321,16 @@ class FastLlama:
                 + size(self.final_norm))
 
     # ---- CUDA graphs ---------------------------------------------------------------------
-    def capture(self, width: int, batch: int = 1) -> None:
-        """Capture forward() for inputs `[batch, width]` as a CUDA graph (static buffers)."""
+    def capture(self, width: int, batch: int = 1, pool: tuple | None = None) -> None:
+        """Capture forward() for inputs `[batch, width]` as a CUDA graph (static buffers). `pool`: a
+        memory pool (torch.cuda.graph_pool_handle()) shared with other graphs replayed one at a time."""
         tokens = torch.zeros((batch, width), dtype=torch.long, device=self.device)
         # Warm-up and capture write K/V at these positions: use the cache's last slots, which no
         # live sequence has reached (entries past a sequence's position are masked, then
         # overwritten), so capturing after a prefill does not corrupt it.
         positions = (torch.arange(self.max_len - width, self.max_len, device=self.device)
                      .view(1, -1).expand(batch, -1).contiguous())
-        graph, logits = capture_graph(self.device, lambda: self.forward(tokens, positions))
+        graph, logits = capture_graph(self.device, lambda: self.forward(tokens, positions), pool=pool)
         self.graphs[(batch, width)] = (graph, tokens, positions, logits)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -338,7 +369,7 @@ class FastLlama:
 
 
 def capture_graph(device: torch.device, step: Callable[[], Out], before: Callable[[], None] = lambda: None,
-                  ) -> tuple[torch.cuda.CUDAGraph, Out]:
+                  pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, Out]:
     """Run `step` twice on a side stream (kernel selection, allocator warm-up), then capture it as a
     CUDA graph on `device`; `before` runs ahead of each of the three (e.g. to point the step's
     inputs at scratch cache slots). Returns the graph and what the captured `step` returned."""
@@ -354,7 +385,7 @@ def capture_graph(device: torch.device, step: Callable[[], Out], before: Callabl
         graph = torch.cuda.CUDAGraph()
         # torch.cuda.graph's default capture stream is shared by the class and lives on
         # whichever device captured first: give it one on this device
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
             out = step()
     return graph, out
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from app.acceptance import AcceptanceStats
 from app.config import EngineConfig
 from app.engine import FinishReason, SpecEngine, StepPlanner
-from app.model_runner import ModelRunner
+from app.runners.model_runner import ModelRunner
 from app.proposers import DraftModelProposer, Proposer, make_proposer
 from app.sampling_params import SamplingParams
 from app.tokenizer_compat import check_compatible
@@ -17,7 +17,8 @@ from app.tokenizer_compat import check_compatible
 
 def build_engine(config: EngineConfig, speculate: bool = True, plan_k: StepPlanner | None = None) -> SpecEngine:
     """Load the target (and the draft, checked for tokenizer compatibility) into an engine."""
-    runner = ModelRunner(config.target)
+    runner = ModelRunner(config.target, config.limits.max_num_seqs,
+                         widths=range(1, config.speculation.max_speculative_tokens + 2))
     proposer: Proposer | None = make_proposer(config) if speculate else None
     if isinstance(proposer, DraftModelProposer):
         check_compatible(runner.tokenizer, proposer.runner.tokenizer)

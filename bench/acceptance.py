@@ -24,7 +24,7 @@ from app.acceptance import AcceptanceStats
 from app.config import ModelSpec
 from app.engine import SpecEngine
 from app.generate import generate
-from app.model_runner import ModelRunner
+from app.runners.model_runner import ModelRunner
 from app.proposers import DraftModelProposer, NgramProposer, Proposer
 from app.sampling_params import SamplingParams
 from app.train_pair import read_text, stdlib_files
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/acceptance.json"))
     args = parser.parse_args()
     torch.set_num_threads(2)
-    runner = ModelRunner(ModelSpec(path="models/target"))
+    runner = ModelRunner(ModelSpec(path="models/target"), 32)
     proposers: dict[str, Proposer] = {
         "draft": DraftModelProposer(ModelSpec(path="models/draft")),
         "ngram": NgramProposer(1, 4),

@@ -1,20 +1,43 @@
-"""DraftServer: the draft model and its per-sequence KV caches, one per replica.
+"""DraftServer: the draft model and its KV cache, one per replica.
 
-Serves one batched `step()` per target step for every target replica pinned to it.
-Its state is only a cache: a replica that lost a sequence answers *miss* and is sent
-the full token ids (app/draft_protocol.py).
+Serve is its control plane: target replicas find it through a handle (`channel()`, routed by
+the affinity request router so a target keeps to the replica that holds its sequences) and
+Serve checks its health. The per-step data goes over the draft channel (app/draft_channel.py),
+one socket round trip per target step for the whole batch. Its state is only a cache: a replica
+that lost a sequence answers *miss* and is sent the full token ids (app/draft_protocol.py).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
+import ray
 from ray import serve
 
 from app.config import AppConfig
-from app.draft_protocol import DraftStepRequest, DraftStepResponse, DraftWorker
+from app.sampling_params import SamplingParams
+from app.draft_channel import DraftChannelServer
+from app.draft_protocol import DraftSeqDelta, DraftStepRequest, DraftStepResponse, DraftWorker
 from app.proposers import DraftModelProposer
+from app.proposers.oracle import ReferenceProposer
 from deployments.metrics_ray import ServeMetrics
+
+# rows of the draft's cache per target sequence slot: one draft replica serves several target replicas,
+# and a sequence it no longer has room for is evicted and rebuilt on its next miss
+DRAFT_ROWS_PER_TARGET_SEQ = 2
+
+
+@dataclass(frozen=True)
+class ChannelRequest:
+    client_id: str  # the calling target replica: the affinity key
+
+
+@dataclass(frozen=True)
+class ChannelInfo:
+    host: str
+    port: int
+    token: str
 
 
 @serve.deployment
@@ -23,17 +46,34 @@ class DraftServer:
         app_config = AppConfig.model_validate(config)
         if app_config.engine.draft is None:
             raise ValueError("DraftServer needs engine.draft in the config")
-        self.proposer = DraftModelProposer(app_config.engine.draft)
-        self.worker = DraftWorker(self.proposer)
-        # torch work is synchronous: serialise calls from several target replicas
+        rows = app_config.engine.limits.max_num_seqs * DRAFT_ROWS_PER_TARGET_SEQ
+        self.proposer = DraftModelProposer(app_config.engine.draft, max_seqs=rows)
+        # proposes what the draft model does until a benchmark loads references (set_references)
+        self.reference = ReferenceProposer(self.proposer, self.proposer.runner.vocab_size)
+        self.worker = DraftWorker(self.reference)
+        # torch work is synchronous: serialise steps from several target replicas
         self.lock = threading.Lock()
         self.metrics = ServeMetrics()
+        self.server = DraftChannelServer(self._step, advertise_host=ray.util.get_node_ip_address())
 
-    def step(self, request: DraftStepRequest) -> DraftStepResponse:
+    def _step(self, request: DraftStepRequest) -> DraftStepResponse:
         with self.lock:
             response = self.worker.step(request)
+        if request.seqs:
             self.metrics.observe_step("draft", response.draft_time_s)
-            return response
+        return response
+
+    def channel(self, request: ChannelRequest) -> ChannelInfo:
+        """Where a target replica sends its steps (the data plane), and the token it must present."""
+        host, port = self.server.address
+        return ChannelInfo(host, port, self.server.token)
+
+    def set_references(self, references: list[list[int]], alpha: float | None) -> None:
+        """Benchmarks only (random-weight models agree on nothing): propose the target's own greedy
+        continuation of these sequences with probability alpha per token, while the draft model still
+        runs every step (app/proposers/oracle.py ReferenceProposer). alpha None turns it off."""
+        with self.lock:
+            self.reference.set_references(references, alpha)
 
     def num_cached_sequences(self) -> int:
         return self.proposer.num_cached_sequences()
@@ -46,4 +86,22 @@ class DraftServer:
         }
 
     def check_health(self) -> None:
-        return None
+        """The model can run a step: a two-token sequence drafts one token, then is freed."""
+        probe = DraftSeqDelta("__health__", 0, 0, [1, 2], 1, SamplingParams(), 0)
+        response = self._step(DraftStepRequest("__health__", [probe], release=[]))
+        with self.lock:
+            self.worker.step(DraftStepRequest("__health__", [], release=["__health__"]))
+        if len(response.proposals.get("__health__", _EMPTY).tokens) != 1:
+            raise RuntimeError("the draft model did not propose a token for a health probe")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+
+
+class _Empty:
+    tokens: list[int] = []
+
+
+_EMPTY = _Empty()

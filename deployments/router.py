@@ -26,7 +26,7 @@ from app.api_key import ApiKeys, is_open_path
 from app.config import AppConfig
 from app.health import ProbeSettings, TargetHealth
 from app.generation_protocol import GenerateChunk, GenerateRequest
-from app.model_runner import load_tokenizer
+from app.runners.loading import load_tokenizer
 from app.openai_protocol import (
     UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
     TokenizeRequest, chat_chunk, chat_response, completion_chunk, completion_response, error_body, new_id,

@@ -1,8 +1,8 @@
 """TargetServer: the target model and its continuous-batching engine loop, one per replica.
 
 Speculating sequences get proposals through one batched call per step to a DraftServer
-replica (a DraftClient over a Serve handle, pinned to one draft replica by the affinity
-request router); an n-gram proposer runs in-process instead.
+replica (a DraftClient over the draft channel, a socket to the draft replica that the affinity
+request router picks for this target replica); an n-gram proposer runs in-process instead.
 """
 
 from __future__ import annotations
@@ -14,58 +14,69 @@ import time
 from typing import Any, AsyncIterator
 
 from ray import serve
-from ray.exceptions import RayError
-from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from app.config import AppConfig
+from app.draft_channel import DraftChannelClient
 from app.draft_protocol import DraftClient, DraftStepRequest, DraftStepResponse, DraftUnavailable
 from app.engine import Overloaded, SpecEngine
 from app.engine_loop import EngineLoop, stream_updates
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.host_steal import StealMeter
-from app.model_runner import ContextOverflow, ModelRunner
+from app.runners.model_runner import ContextOverflow, ModelRunner
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
 from app.policy.step_mode import forced_mode, mode_ks
 from app.policy.step_wall import StepWall
 from app.proposers import NgramProposer, Proposer
+from deployments.draft_server import ChannelRequest
 from deployments.metrics_ray import ServeMetrics
 
 log = logging.getLogger("ray.serve")
 
 # A draft step takes milliseconds; the engine step (every sequence of the replica) waits on
-# this call, so a draft that is gone must cost little. With no draft replica left (the last one
-# was killed) Serve queues the call until a replacement starts: that wait is cut off here.
+# this call, so a draft that is gone must cost little: no answer within this time means plain
+# decoding (and finding a draft replica through Serve, which queues the call while none is
+# up, is cut off at the same time).
 DRAFT_CALL_TIMEOUT_S = 3.0
 DRAFT_RETRY_AFTER_S = 2.0  # after a failed draft call, decode plainly this long before trying again
 DRAFT_RETRY_AFTER_MAX_S = 30.0  # ... doubling while calls keep failing
 
 
 class RemoteDraftTransport:
-    """Carries DraftStepRequests over a Serve handle; a dead draft makes the engine go plain."""
+    """Carries DraftStepRequests to a draft replica over the draft channel (app/draft_channel.py), the
+    replica found through a Serve handle; a dead draft makes the engine go plain for a while."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, client_id: str) -> None:
         self.handle = handle
+        self.client_id = client_id
+        self.channel = DraftChannelClient(self._resolve, timeout_s=DRAFT_CALL_TIMEOUT_S)
         self.down_until = 0.0
         self.failures = 0  # consecutive failed calls
+
+    def _resolve(self) -> tuple[str, int, str]:
+        response = self.handle.channel.remote(ChannelRequest(self.client_id))
+        try:
+            info = response.result(timeout_s=DRAFT_CALL_TIMEOUT_S)
+        except Exception:
+            try:
+                response.cancel()  # don't leave a queued call to run on a replacement later
+            except Exception:  # noqa: BLE001 — cancel() re-raises a failed assignment
+                pass
+            raise
+        return info.host, info.port, info.token
 
     def __call__(self, request: DraftStepRequest) -> DraftStepResponse:
         if time.monotonic() < self.down_until:
             raise DraftUnavailable("draft replica recently failed; decoding plainly")
-        response = self.handle.step.remote(request)
         try:
-            result = response.result(timeout_s=DRAFT_CALL_TIMEOUT_S)
-        except (RayError, RayServeException, TimeoutError) as e:
-            try:
-                response.cancel()  # don't leave a queued call to run on the replacement later
-            except Exception:  # noqa: BLE001 — cancel() re-raises a failed assignment
-                pass
+            result = self.channel(request)
+        except DraftUnavailable as e:
             self.failures += 1
             wait = min(DRAFT_RETRY_AFTER_MAX_S, DRAFT_RETRY_AFTER_S * 2 ** (self.failures - 1))
             self.down_until = time.monotonic() + wait
-            log.warning("draft call failed (%s); decoding plainly for %.1fs", type(e).__name__, wait)
-            raise DraftUnavailable(str(e)) from e
+            log.warning("draft call failed (%s); decoding plainly for %.1fs", e, wait)
+            raise
         self.failures = 0
         return result
 
@@ -135,12 +146,13 @@ class TargetServer:
         self.config = AppConfig.model_validate(config)
         engine_cfg = self.config.engine
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        runner = ModelRunner(engine_cfg.target)
+        runner = ModelRunner(engine_cfg.target, engine_cfg.limits.max_num_seqs,
+                             widths=range(1, engine_cfg.speculation.max_speculative_tokens + 2))
         proposer: Proposer | None = None
         if engine_cfg.speculation.proposer == "ngram":
             proposer = NgramProposer(engine_cfg.speculation.ngram_min, engine_cfg.speculation.ngram_max)
         elif draft is not None:
-            proposer = DraftClient(self.replica_id, RemoteDraftTransport(draft))
+            proposer = DraftClient(self.replica_id, RemoteDraftTransport(draft, self.replica_id))
         self.policy = SpeculationPolicy(self.config.policy, acceptance=AcceptanceTracker(pair=self.config.model_name))
         self.engine = SpecEngine(
             runner, proposer, engine_cfg.limits, max_k=engine_cfg.speculation.max_speculative_tokens,
@@ -157,6 +169,13 @@ class TargetServer:
         self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
         self.step_wall = StepWall()
         self._mode_steps = 0
+        # speculative passes as this replica measures them: the whole pass (draft call + verify),
+        # the draft's own compute, and the exchange (the call's time outside the draft's compute)
+        self.pass_parts = {"passes": 0, "pass_s": 0.0, "draft_s": 0.0, "exchange_s": 0.0}
+        # every step: the engine's time by phase and the loop's time between steps (streaming, metrics)
+        self.step_parts = {"steps": 0, "step_s": 0.0, "target_s": 0.0, "draft_s": 0.0, "prefill_s": 0.0,
+                           "overhead_s": 0.0, "between_s": 0.0, "batch": 0}
+        self._last_step_end: float | None = None
         self.metrics = ServeMetrics()
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self._planned: tuple[StepPlan, list[StepCandidate]] | None = None  # this step's plan and batch, set in _plan_k
@@ -220,6 +239,16 @@ class TargetServer:
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         times = engine.last_times
         now = time.perf_counter()
+        sp = self.step_parts
+        sp["steps"] += 1
+        sp["step_s"] += seconds
+        sp["target_s"] += times.target
+        sp["draft_s"] += times.draft
+        sp["prefill_s"] += times.prefill
+        sp["overhead_s"] += times.overhead
+        sp["batch"] += times.batch_size
+        if self._last_step_end is not None:
+            sp["between_s"] += max(0.0, now - seconds - self._last_step_end)
         observed = self._step_mode is not None and times.batch_size > 0 and self.arbiter is not None
         # what the step stands for in the arbiter's goodput: its time and tokens with its newcomers',
         # the loop's short gap before it, and any prefill-only step before it (app/policy/step_wall.py)
@@ -273,6 +302,7 @@ class TargetServer:
             self.metrics.observe_step("draft", times.draft)
             self._observe_draft(engine, times.draft, times.num_speculating, max((u.drafted for u in updates), default=0))
         self.metrics.set_load(len(engine.running), len(engine.waiting), engine.cached_tokens(), len(engine.running))
+        self._last_step_end = time.perf_counter()
 
     def _observe_draft(self, engine: SpecEngine, total_s: float, batch: int, depth: int) -> None:
         """Split a step's proposal time into per-draft-step compute, catch-up prefill and the hop."""
@@ -284,6 +314,11 @@ class TargetServer:
         else:  # in-process proposer (n-gram): no hop
             compute, hop = total_s, 0.0
         # the draft runs `depth` batched steps (the deepest sequence's k), the first one maybe a catch-up
+        parts = self.pass_parts
+        parts["passes"] += 1
+        parts["pass_s"] += total_s + engine.last_times.target
+        parts["draft_s"] += compute
+        parts["exchange_s"] += hop
         per_step = self.policy.costs.observe_draft_call(batch, depth, compute, proposer.last_first_pass)
         self.policy.costs.observe_exchange(hop)
         if per_step is not None:
@@ -309,6 +344,16 @@ class TargetServer:
         finally:
             if not finished:  # client gone, deadline passed, or the router cancelled us
                 self.loop.cancel(request.request_id)
+
+    def pass_report(self, reset: bool = True) -> dict:
+        """Speculative passes since the last reset: count, and seconds of the passes, of the draft's
+        compute and of the exchange (what bench.serve_gpu reports as the exchange's share)."""
+        report = {**self.pass_parts, "steps": dict(self.step_parts)}
+        if reset:
+            self.pass_parts.update(passes=0, pass_s=0.0, draft_s=0.0, exchange_s=0.0)
+            self.step_parts.update({k: 0 for k in self.step_parts})
+            self._last_step_end = None
+        return report
 
     def policy_state(self) -> dict:
         """The step planner's calibration (realized / predicted step time per 'b{bucket}/k{depth}') and the

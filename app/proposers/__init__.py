@@ -16,4 +16,4 @@ def make_proposer(config: EngineConfig) -> Proposer:
     if spec.proposer == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
     assert config.draft is not None  # EngineConfig validation guarantees it
-    return DraftModelProposer(config.draft)
+    return DraftModelProposer(config.draft, max_seqs=config.limits.max_num_seqs)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.config import SamplingParams
+from app.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

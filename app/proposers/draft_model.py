@@ -1,93 +1,137 @@
-"""Draft-model proposer: a small causal LM with its own per-sequence KV caches.
+"""Draft-model proposer: a small causal LM on the same runner as the target.
 
-Per step and for the whole batch: bring each sequence's draft cache up to its truth
-(crop to the common prefix, feed what is missing — usually the last accepted tokens and
-the target's correction), then run k batched single-token steps. The k-th proposal is
-not fed back; if it is accepted it is fed at the next step's catch-up.
+Per step, for the whole batch:
+  1. bring each sequence's draft cache up to its truth: roll back by length to the longest
+     prefix it already holds, prefill what is missing but the last one or two tokens (a new
+     sequence, or one that decoded plainly for a while);
+  2. one pass feeding every row its last one or two tokens (the last accepted proposal and the
+     target's token), then k - 1 one-token passes feeding each row's proposal back on the
+     device — CUDA graphs, no host read in between;
+  3. one host read of every row's k proposals.
+The k-th proposal is not fed back; if it is accepted it is fed at the next step's catch-up.
+The cache is a cache: a sequence it does not hold (new, evicted, replica restarted) is rebuilt
+from the token ids, and when every row is taken the least recently used sequence is evicted.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import torch
 
 from app.config import ModelSpec
-from app.kv_cache import SequenceKV
-from app.model_runner import ModelRunner
 from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer
-from app.sampling import position_generator, processed_probs, sample
-
-
-# Padding one pass by more tokens than this costs more than a second pass: on the embedded CPU draft
-# a forward's fixed cost is ~2.5 ms and a padded token ~0.04 ms (bench/pad_cost.py, batch 32, KV 120:
-# one 20-token catch-up padded into 31 two-token rows 32 ms, run apart 16 ms; two rows 3.8 ms padded, 5.0 apart).
-CATCH_UP_MAX_PADDING = 64
+from app.runners.model_runner import ModelRunner
+from app.runners.transfer import to_device
+from app.spec.sampling import inverse_cdf, processed_probs, uniforms
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, spec: ModelSpec | None = None, runner: ModelRunner | None = None) -> None:
+    def __init__(self, spec: ModelSpec | None = None, runner: ModelRunner | None = None, max_seqs: int = 64) -> None:
         if runner is None:
             if spec is None:
                 raise ValueError("DraftModelProposer needs a ModelSpec or a loaded ModelRunner")
-            runner = ModelRunner(spec)
+            runner = ModelRunner(spec, max_seqs, widths=(1, 2))
         self.runner = runner
-        self.caches: dict[str, SequenceKV] = {}
+        self.fed: OrderedDict[str, list[int]] = OrderedDict()  # per sequence: the tokens its cache holds, LRU order
         self.cache_misses = 0  # sequences rebuilt from scratch (new, evicted or replica restarted)
+        self._prefilled = 0  # tokens the current step's catch-ups prefilled
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        if not requests:
-            return []
         limit = self.runner.max_context
         ks = [max(0, min(r.k, limit - len(r.token_ids))) for r in requests]
-        feeds: list[list[int]] = []
-        caches: list[SequenceKV] = []
-        for r in requests:
-            cache = self.caches.get(r.seq_id)
-            if cache is None:
-                cache = self.caches[r.seq_id] = SequenceKV()
-                self.cache_misses += 1
-            held = min(cache.common_prefix(r.token_ids), len(r.token_ids) - 1)  # feed >= 1 token
-            cache.crop(held)
-            caches.append(cache)
-            feeds.append(r.token_ids[held:])
-        tokens: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(ks) if k > 0]
-        step = 0
-        t0 = time.perf_counter()
         self.last_first_pass = FirstPass()
-        while active:
-            # the first pass may catch some sequences up by many tokens: run those apart rather
-            # than pad every row to them (later passes feed one token per row)
-            logits = self.runner.forward([caches[i] for i in active], [feeds[i] for i in active],
-                                         max_padding=CATCH_UP_MAX_PADDING if step == 0 else None)
-            if step == 0:
-                self.last_first_pass = FirstPass(sum(len(feeds[i]) for i in active), len(active),
-                                                 time.perf_counter() - t0)
-            for i, row in zip(active, logits):
-                r = requests[i]
+        if not active:
+            return [Proposal([]) for _ in requests]
+        t0 = time.perf_counter()
+        ids = [requests[i].seq_id for i in active]
+        self._prefilled = 0
+        feeds = [self._catch_up(requests[i], keep=set(ids)) for i in active]  # each 1 or 2 tokens
+        device = self.runner.device
+        depth = max(ks[i] for i in active)
+        logits, rows = self.runner.step(ids, feeds)  # [B, W, vocab]
+        last = to_device([len(f) - 1 for f in feeds], device)
+        rows_t = to_device(rows, device)
+        step_logits = logits[rows_t, last]  # [n, vocab]
+        # what the first proposal cost: the catch-up prefills and the first pass (timed on the CPU, where
+        # the calls are synchronous; on CUDA the step's one host read is at the end)
+        self.last_first_pass = FirstPass(self._prefilled + sum(len(f) for f in feeds), len(active), 0.0)
+        drafted: list[torch.Tensor] = []  # per step [n]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        for step in range(depth):
+            if step:
+                logits, _ = self.runner.step_tokens(ids, drafted[-1])  # [B, 1, vocab]
+                step_logits = logits[rows_t, 0]
+            drafted.append(self._choose(step_logits, [requests[i] for i in active], step, probs))
+            if step == 0 and device.type != "cuda":
+                self.last_first_pass = FirstPass(self.last_first_pass.tokens, len(active), time.perf_counter() - t0)
+        proposals = torch.stack(drafted, dim=1).tolist()  # [n, depth]: the one host read
+        out = [Proposal([]) for _ in requests]
+        for j, i in enumerate(active):
+            r, k = requests[i], ks[i]
+            # the cache holds the truth and the first k - 1 proposals (the rest were padding steps)
+            self.runner.truncate(r.seq_id, len(r.token_ids) + k - 1)
+            self.fed[r.seq_id] = list(r.token_ids) + proposals[j][:k - 1]
+            out[i] = Proposal(proposals[j][:k], torch.stack(probs[j][:k]) if probs[j] else None)
+        return out
+
+    def _catch_up(self, r: ProposalRequest, keep: set[str]) -> list[int]:
+        """Bring the sequence's cache to all but its last one or two tokens; return those to feed."""
+        runner, truth = self.runner, r.token_ids
+        fed = self.fed.get(r.seq_id)
+        if fed is None or r.seq_id not in runner:
+            self.cache_misses += 1
+            if r.seq_id not in runner:
+                self._make_room(keep)
+                runner.add(r.seq_id)
+            fed = []
+        if r.seq_id in self.fed:
+            self.fed.move_to_end(r.seq_id)
+        held = 0
+        for a, b in zip(fed, truth):
+            if a != b:
+                break
+            held += 1
+        held = min(held, len(truth) - 1, runner.length(r.seq_id))  # feed at least one token
+        runner.truncate(r.seq_id, held)
+        if len(truth) - held > 2:  # a catch-up prefill of what the draft has not seen
+            runner.prefill(r.seq_id, truth[held:len(truth) - 1])
+            self._prefilled += len(truth) - 1 - held
+            held = len(truth) - 1
+        self.fed[r.seq_id] = list(truth[:held])
+        return list(truth[held:])
+
+    def _make_room(self, keep: set[str]) -> None:
+        """Evict the least recently used sequences not in this step while every row is taken."""
+        while self.runner.num_sequences >= self.runner.max_seqs:
+            victim = next((s for s in self.fed if s not in keep), None)
+            if victim is None:
+                raise RuntimeError(f"the draft's {self.runner.max_seqs} cache rows are all in one step: "
+                                   "raise the draft's max_num_seqs")
+            self.release(victim)
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, requests: list[ProposalRequest], step: int,
+                probs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """This step's proposal per row `[n]` on the device: the argmax for greedy requests, a draw
+        at (seed, position) from the processed distribution for sampled ones (kept in `probs`)."""
+        tokens = torch.argmax(logits, dim=-1)  # [n]
+        for j, r in enumerate(requests):
+            if not r.sampling.greedy:
+                q = processed_probs(logits[j:j + 1], r.sampling)  # [1, vocab]
                 position = len(r.token_ids) + step
-                last = row[-1]  # [vocab]
-                if r.sampling.greedy:
-                    token = int(torch.argmax(last).item())
-                else:
-                    q = processed_probs(last.unsqueeze(0), r.sampling)[0]
-                    token = sample(q, position_generator(r.seed, position, "draft"))
-                    probs[i].append(q.cpu())
-                tokens[i].append(token)
-                feeds[i] = [token]
-            step += 1
-            active = [i for i in active if ks[i] > step]
-        return [
-            Proposal(tokens=t, probs=torch.stack(p) if p else None) for t, p in zip(tokens, probs)
-        ]
+                tokens[j] = inverse_cdf(q, uniforms(r.seed, position, 1, "draft", logits.device))[0]
+                probs[j].append(q[0])
+        return tokens
 
     def release(self, seq_id: str) -> None:
-        self.caches.pop(seq_id, None)
+        self.fed.pop(seq_id, None)
+        self.runner.remove(seq_id)
 
     def num_cached_sequences(self) -> int:
-        return len(self.caches)
+        return sum(1 for s in self.fed if s in self.runner)
 
     def cached_tokens(self) -> int:
-        return sum(c.length for c in self.caches.values())
+        return sum(self.runner.length(s) for s in self.fed)

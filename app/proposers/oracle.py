@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 from app.proposers.base import Proposal, ProposalRequest, Proposer
+from app.spec.sampling import uniform
 
 
 class OracleProposer(Proposer):
@@ -49,3 +50,50 @@ class OracleProposer(Proposer):
     def release(self, seq_id: str) -> None:
         if self.cost_proposer is not None:
             self.cost_proposer.release(seq_id)
+
+
+class ReferenceProposer(Proposer):
+    """The served benchmark's draft proposer: the real draft model runs every step (its cost is
+    real, KV cache included), then for a sequence whose prompt has a loaded reference (the target's
+    greedy continuation, from a plain run) the proposal at position p becomes reference[p] with
+    probability alpha and a wrong token otherwise. References are keyed by the first KEY_TOKENS
+    tokens of the prompt; a coin is fixed by (sequence, position). Without references or alpha it
+    proposes what the draft proposes."""
+
+    KEY_TOKENS = 32
+
+    def __init__(self, draft: Proposer, vocab_size: int) -> None:
+        self.draft = draft
+        self.vocab_size = vocab_size
+        self.references: dict[tuple[int, ...], list[int]] = {}
+        self.alpha: float | None = None
+
+    def set_references(self, references: list[list[int]], alpha: float | None) -> None:
+        self.references = {tuple(r[:self.KEY_TOKENS]): list(r) for r in references}
+        self.alpha = alpha
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        proposals = self.draft.propose(requests)
+        self.last_first_pass = self.draft.last_first_pass
+        if self.alpha is None:
+            return proposals
+        out = []
+        for r, p in zip(requests, proposals):
+            ref = self.references.get(tuple(r.token_ids[:self.KEY_TOKENS]))
+            if ref is None or not p.tokens:
+                out.append(p)
+                continue
+            tokens = []
+            for j in range(len(p.tokens)):
+                pos = len(r.token_ids) + j
+                right = ref[pos] if pos < len(ref) else 0
+                coin = uniform(hash(r.seq_id) & (2**62 - 1), pos, "reference")
+                tokens.append(right if coin < self.alpha else (right + 1) % self.vocab_size)
+            out.append(Proposal(tokens))
+        return out
+
+    def release(self, seq_id: str) -> None:
+        self.draft.release(seq_id)
+
+    def num_cached_sequences(self) -> int:
+        return self.draft.num_cached_sequences()

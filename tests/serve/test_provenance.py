@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from app.config import AppConfig, load_yaml
-from app.model_runner import load_tokenizer
+from app.runners.loading import load_tokenizer
 
 openai = pytest.importorskip("openai")
 

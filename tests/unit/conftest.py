@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from app.config import ModelSpec
-from app.model_runner import ModelRunner
+from app.runners.model_runner import ModelRunner
 
 NEAR_TIE_TOL = 1e-3
 
@@ -55,14 +55,37 @@ def _two_threads():
     yield
 
 
+# cache rows of the shared runners: more than any engine of the suite admits at once
+RUNNER_ROWS = 64
+
+
+_RUNNERS: list[ModelRunner] = []
+
+
 @pytest.fixture(scope="session")
 def target_runner() -> ModelRunner:
-    return ModelRunner(ModelSpec(path="models/target"))
+    _RUNNERS.append(ModelRunner(ModelSpec(path="models/target"), RUNNER_ROWS))
+    return _RUNNERS[-1]
 
 
 @pytest.fixture(scope="session")
 def draft_runner() -> ModelRunner:
-    return ModelRunner(ModelSpec(path="models/draft"))
+    _RUNNERS.append(ModelRunner(ModelSpec(path="models/draft"), RUNNER_ROWS))
+    return _RUNNERS[-1]
+
+
+@pytest.fixture(autouse=True)
+def _free_shared_rows():
+    """The shared runners start every test empty: a test that stops mid-run leaves rows behind."""
+    yield
+    for runner in _RUNNERS:
+        runner.clear()
+
+
+def _hf(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -95,9 +118,10 @@ class Reference:
 class PlainGreedy:
     """Memoised one-token-at-a-time greedy decoding straight through the HF model."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.eos_id = min(runner.eos_ids)
+    def __init__(self, model: torch.nn.Module, eos_ids: frozenset[int]) -> None:
+        self.model = model
+        self.eos_ids = eos_ids
+        self.eos_id = min(eos_ids)
         self._memo: dict[tuple[tuple[int, ...], int], Reference] = {}
 
     @torch.inference_mode()
@@ -112,7 +136,7 @@ class PlainGreedy:
                 stopped = self.eos_id in cut
                 toks = cut[: cut.index(self.eos_id)] if stopped else cut
                 return Reference(toks, "stop" if stopped else "length", ref.logits[: len(cut)], self.eos_id)
-        model = self.runner.model
+        model = self.model
         out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
         tokens: list[int] = []
         logits: list[torch.Tensor] = []
@@ -121,7 +145,7 @@ class PlainGreedy:
             row = out.logits[0, -1].float().clone()
             logits.append(row)
             token = int(torch.argmax(row))
-            if token in self.runner.eos_ids:
+            if token in self.eos_ids:
                 finish = "stop"
                 break
             tokens.append(token)
@@ -135,12 +159,12 @@ class PlainGreedy:
 
 @pytest.fixture(scope="session")
 def plain_greedy(target_runner) -> PlainGreedy:
-    return PlainGreedy(target_runner)
+    return PlainGreedy(_hf("models/target"), target_runner.eos_ids)
 
 
 @pytest.fixture(scope="session")
 def draft_plain_greedy(draft_runner) -> PlainGreedy:
-    return PlainGreedy(draft_runner)
+    return PlainGreedy(_hf("models/draft"), draft_runner.eos_ids)
 
 
 def compare_to_reference(ref: Reference, got: list[int], finish_reason: str | None, label: str = "") -> int | None:

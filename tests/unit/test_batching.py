@@ -115,11 +115,12 @@ def test_abort_mid_run_frees_caches(target_runner, draft_runner, encode, plain_g
         drive.collect(out, engine.step())
     assert set(engine.running) == {"r0", "r2", "r3"} and [s.seq_id for s in engine.waiting] == ["queued"]
     assert proposer.num_cached_sequences() == 3
-    held = engine.running["r2"].kv.length
+    held = target_runner.length("r2")
     assert held > 0 and engine.cached_tokens() > held
 
     assert engine.abort("r2")
-    assert "r2" not in engine.running and "r2" not in proposer.caches
+    assert "r2" not in engine.running and "r2" not in proposer.fed
+    assert "r2" not in target_runner and "r2" not in draft_runner
     assert proposer.num_cached_sequences() == 2
     assert engine.abort("queued") and not engine.waiting
     assert not engine.abort("r2") and not engine.abort("never-added")

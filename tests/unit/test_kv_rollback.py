@@ -1,87 +1,116 @@
-"""Rolling a per-sequence KV cache back (SequenceKV.crop) leaves exactly what a fresh prefill
-of the same tokens would hold, for single and batched (left-padded, packed) forwards, in the
-engine's target caches mid-run and in the draft proposer's caches."""
+"""The runner owns the KV cache: rolling a sequence back by length (ModelRunner.truncate) leaves
+exactly what a fresh prefill of the same tokens would hold, for single and batched passes, when
+rows move (a freed row is filled by the last one), in the engine's target rows mid-run and in the
+draft proposer's rows."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
-from app.config import SamplingParams
+from app.sampling_params import SamplingParams
 from app.engine import SpecEngine
-from app.kv_cache import SequenceKV
 from app.proposers import DraftModelProposer
 from app.proposers.base import ProposalRequest
+from app.runners.model_runner import ModelRunner
 
 ATOL = 1e-5
+_ids = itertools.count()
 
 
-def fresh(runner, tokens: list[int]) -> tuple[SequenceKV, torch.Tensor]:
-    kv = SequenceKV()
-    logits = runner.forward([kv], [list(tokens)])[0]
-    return kv, logits
+def held(runner: ModelRunner, seq_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a sequence's row holds: `[layers, length, kv_heads, head_dim]` each."""
+    row, n = runner.row(seq_id), runner.length(seq_id)
+    return runner.model.k_cache[:, row, :n], runner.model.v_cache[:, row, :n]
 
 
-def assert_same_cache(got: SequenceKV, want: SequenceKV, label: str = "") -> None:
-    assert got.token_ids == want.token_ids, label
-    assert len(got.keys) == len(want.keys) > 0, label
-    for layer, (gk, wk, gv, wv) in enumerate(zip(got.keys, want.keys, got.values, want.values)):
-        assert gk.shape == wk.shape and gv.shape == wv.shape, f"{label} layer {layer}: {gk.shape} vs {wk.shape}"
-        torch.testing.assert_close(gk, wk, atol=ATOL, rtol=0, msg=f"{label}: keys of layer {layer} differ")
-        torch.testing.assert_close(gv, wv, atol=ATOL, rtol=0, msg=f"{label}: values of layer {layer} differ")
+def fresh(runner: ModelRunner, tokens: list[int]) -> str:
+    seq_id = f"fresh-{next(_ids)}"
+    runner.add(seq_id)
+    runner.prefill(seq_id, tokens)
+    return seq_id
 
 
-def test_crop_after_verify_equals_fresh_prefill(target_runner, encode, plain_greedy):
+def assert_same_cache(runner: ModelRunner, got: str, want: str, label: str = "") -> None:
+    (gk, gv), (wk, wv) = held(runner, got), held(runner, want)
+    assert gk.shape == wk.shape, f"{label}: {gk.shape} vs {wk.shape}"
+    torch.testing.assert_close(gk, wk, atol=ATOL, rtol=0, msg=f"{label}: keys differ")
+    torch.testing.assert_close(gv, wv, atol=ATOL, rtol=0, msg=f"{label}: values differ")
+
+
+def test_truncate_after_verify_equals_fresh_prefill(target_runner, encode, plain_greedy):
+    r = target_runner
     prompt = encode("def merge(left, right):\n    result = []\n")
     cont = plain_greedy(prompt, 12).tokens
     for accepted in (0, 2, 5):
-        kv, _ = fresh(target_runner, prompt)
-        # a verify pass of 1 + 6 tokens, only `accepted` proposals of which survive;
-        # make the proposals after the accepted ones wrong so stale entries would differ
-        proposals = cont[1 : 1 + accepted] + [7, 8, 9, 10, 11, 12][: 6 - accepted]
-        target_runner.forward([kv], [[cont[0]] + proposals])
-        assert kv.length == len(prompt) + 7
-        kv.crop(len(prompt) + 1 + accepted)
-        want, want_logits = fresh(target_runner, prompt + cont[: 1 + accepted])
-        assert_same_cache(kv, want, f"accepted={accepted}")
-        # and decoding on from the rolled-back cache gives the fresh cache's logits
+        s = fresh(r, prompt)
+        # a verify pass of 1 + 6 tokens, only `accepted` proposals of which survive; the proposals
+        # after the accepted ones are wrong, so stale entries would differ
+        proposals = cont[1: 1 + accepted] + [7, 8, 9, 10, 11, 12][: 6 - accepted]
+        r.step([s], [[cont[0]] + proposals])
+        assert r.length(s) == len(prompt) + 7
+        r.truncate(s, len(prompt) + 1 + accepted)
+        want = fresh(r, prompt + cont[: 1 + accepted])
+        assert_same_cache(r, s, want, f"accepted={accepted}")
+        # decoding on from the rolled-back row gives the fresh row's logits
         nxt = cont[1 + accepted]
-        got_row = target_runner.forward([kv], [[nxt]])[0][-1]
-        want_row = target_runner.forward([want], [[nxt]])[0][-1]
-        torch.testing.assert_close(got_row, want_row, atol=1e-4, rtol=0)
+        logits, rows = r.step([s, want], [[nxt], [nxt]])
+        torch.testing.assert_close(logits[rows[0], 0], logits[rows[1], 0], atol=1e-4, rtol=0)
+        r.remove(s)
+        r.remove(want)
 
 
-def test_crop_after_batched_packed_forward(target_runner, encode):
-    """Rows of different cache and input lengths share one left-padded pass; each rolls back alone."""
+def test_truncate_after_a_batched_pass_of_mixed_widths(target_runner, encode):
+    """Rows of different lengths and widths share one pass; each rolls back alone."""
+    r = target_runner
     prompts = [encode(p) for p in ("import sys\n", "The number of items in the list is", "x = 1\ny = 2\nz =")]
-    caches = [fresh(target_runner, p)[0] for p in prompts]
+    seqs = [fresh(r, p) for p in prompts]
     inputs = [[11, 12, 13, 14, 15], [21], [31, 32, 33]]
-    target_runner.forward(caches, inputs)
-    for kv, p, inp, keep in zip(caches, prompts, inputs, (2, 1, 0)):
-        assert kv.length == len(p) + len(inp)
-        kv.crop(len(p) + keep)
-        assert_same_cache(kv, fresh(target_runner, p + inp[:keep])[0], f"prompt {p}")
-    # a second batched pass on the cropped caches still matches fresh prefills
-    target_runner.forward(caches, [[40, 41], [42, 43, 44], [45]])
-    for kv in caches:
-        assert_same_cache(kv, fresh(target_runner, kv.token_ids)[0], "after second pass")
+    r.step(seqs, inputs)
+    truth = []
+    for s, p, inp, keep in zip(seqs, prompts, inputs, (2, 1, 0)):
+        assert r.length(s) == len(p) + len(inp)
+        r.truncate(s, len(p) + keep)
+        truth.append(p + inp[:keep])
+        want = fresh(r, truth[-1])
+        assert_same_cache(r, s, want, f"prompt {p}")
+        r.remove(want)
+    # a second batched pass on the rolled-back rows still matches fresh prefills
+    more = [[40, 41], [42, 43, 44], [45]]
+    r.step(seqs, more)
+    for s, t, m in zip(seqs, truth, more):
+        want = fresh(r, t + m)
+        assert_same_cache(r, s, want, "after second pass")
+        r.remove(want)
+    for s in seqs:
+        r.remove(s)
 
 
-def test_crop_bookkeeping():
-    kv = SequenceKV()
-    kv.append([torch.zeros(2, 3, 4)], [torch.ones(2, 3, 4)], [5, 6, 7])
-    assert kv.common_prefix([5, 6, 9, 9]) == 2 and kv.common_prefix([1]) == 0
+def test_a_freed_row_is_filled_by_the_last_and_nothing_else_moves(target_runner, encode):
+    r = target_runner
+    base = r.num_sequences
+    a, b, c = (fresh(r, encode(t)) for t in ("alpha = 1\n", "def beta():\n    pass\n", "gamma"))
+    before_c = [t.clone() for t in held(r, c)]
+    before_a = [t.clone() for t in held(r, a)]
+    row_b = r.row(b)
+    r.remove(b)
+    assert r.num_sequences == base + 2 and r.row(c) == row_b and b not in r
+    for got, want in zip(held(r, c), before_c):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for got, want in zip(held(r, a), before_a):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
     with pytest.raises(ValueError):
-        kv.crop(4)
-    kv.crop(1)
-    assert kv.length == 1 and kv.token_ids == [5] and kv.keys[0].shape == (2, 1, 4)
-    kv.crop(0)
-    assert kv.length == 0 and kv.keys[0].shape == (2, 0, 4)
+        r.truncate(a, r.length(a) + 1)
+    r.remove(a)
+    r.remove(c)
+    assert r.num_sequences == base
 
 
-def test_engine_caches_match_fresh_prefill_mid_run(target_runner, draft_runner, encode, drive):
-    """After each step the target KV holds every token but the last, exactly as a fresh prefill
-    of them would; each draft cache holds what a fresh draft prefill of its tokens would."""
+def test_engine_rows_match_fresh_prefill_mid_run(target_runner, draft_runner, encode, drive):
+    """After each step the target row holds every token but the last, exactly as a fresh prefill
+    would; each draft row holds what a fresh draft prefill of the tokens it fed would."""
     proposer = DraftModelProposer(runner=draft_runner)
     engine = SpecEngine(target_runner, proposer)
     params = SamplingParams(max_tokens=30)
@@ -91,15 +120,19 @@ def test_engine_caches_match_fresh_prefill_mid_run(target_runner, draft_runner, 
     checked = 0
     for _ in range(6):
         engine.step()
-        for seq in engine.running.values():
-            assert seq.kv.length == len(seq.token_ids) - 1
-            assert_same_cache(seq.kv, fresh(target_runner, seq.token_ids[:-1])[0], f"target {seq.seq_id}")
-            draft_kv = proposer.caches.get(seq.seq_id)
-            if draft_kv is not None and draft_kv.length:
-                # it may still hold this step's rejected proposals: they are cropped lazily at
+        for seq in list(engine.running.values()):
+            assert target_runner.length(seq.seq_id) == len(seq.token_ids) - 1
+            want = fresh(target_runner, seq.token_ids[:-1])
+            assert_same_cache(target_runner, seq.seq_id, want, f"target {seq.seq_id}")
+            target_runner.remove(want)
+            fed = proposer.fed.get(seq.seq_id)
+            if fed and seq.seq_id in draft_runner:
+                # it may still hold this step's proposals but the last: they are rolled back lazily at
                 # the next propose(); whatever it holds must be what a prefill of it would hold
-                assert draft_kv.common_prefix(seq.token_ids) >= len(seq.prompt_ids)
-                assert_same_cache(draft_kv, fresh(draft_runner, draft_kv.token_ids)[0], f"draft {seq.seq_id}")
+                n = draft_runner.length(seq.seq_id)
+                want = fresh(draft_runner, fed[:n])
+                assert_same_cache(draft_runner, seq.seq_id, want, f"draft {seq.seq_id}")
+                draft_runner.remove(want)
                 checked += 1
     assert checked >= 6
     drive(engine)
@@ -116,28 +149,31 @@ def test_draft_proposer_rolls_back_on_divergence(draft_runner, encode):
     correction = (first[1] + 1) % draft_runner.vocab_size
     truth2 = truth + [first[0], correction]
     second = proposer.propose([ProposalRequest("s", truth2, 3, greedy, 0)])[0].tokens
-    kv = proposer.caches["s"]
-    assert kv.token_ids[: len(truth2)] == truth2  # the rejected proposals are gone
-    assert_same_cache(kv, fresh(draft_runner, kv.token_ids)[0], "draft after rollback")
-    # and the proposals equal what a fresh proposer says for the same truth
-    again = DraftModelProposer(runner=draft_runner).propose([ProposalRequest("s", truth2, 3, greedy, 0)])[0].tokens
-    assert second == again
+    assert proposer.fed["s"][: len(truth2)] == truth2  # the rejected proposals are gone
+    want = fresh(draft_runner, proposer.fed["s"])
+    assert_same_cache(draft_runner, "s", want, "draft after rollback")
+    draft_runner.remove(want)
     assert proposer.cache_misses == 1
     proposer.release("s")
-    assert proposer.num_cached_sequences() == 0
+    # and the proposals equal what a fresh proposer says for the same truth
+    again = DraftModelProposer(runner=draft_runner)
+    assert again.propose([ProposalRequest("s", truth2, 3, greedy, 0)])[0].tokens == second
+    again.release("s")
+    assert again.num_cached_sequences() == draft_runner.num_sequences == 0
 
 
-def test_engine_rebuilds_a_cache_that_lost_the_truth(target_runner, draft_runner, encode, plain_greedy, check_against_reference, drive):
-    """A cache that no longer matches the tokens (evicted, replica moved) is rebuilt by prefill."""
+def test_engine_rebuilds_a_cache_that_lost_the_truth(target_runner, draft_runner, encode, plain_greedy,
+                                                     check_against_reference, drive):
+    """A row that no longer holds the truth (rolled back too far, replica moved) is rebuilt by prefill."""
     prompt = encode("import os\n\ndef list_python_files(path):\n")
     engine = SpecEngine(target_runner, DraftModelProposer(runner=draft_runner))
     engine.add("s", prompt, SamplingParams(max_tokens=30), k=3)
     out: dict = {}
     for _ in range(3):
         drive.collect(out, engine.step())
-    engine.running["s"].kv = SequenceKV()  # evicted
+    target_runner.truncate("s", 0)  # lost
     drive.collect(out, engine.step())
-    engine.running["s"].kv.crop(2)  # stale
+    target_runner.truncate("s", 2)  # stale
     out2 = drive(engine)
     tokens = out["s"]["tokens"] + out2["s"]["tokens"]
     check_against_reference(plain_greedy(prompt, 30), tokens, out2["s"]["finish"], "rebuilt cache")

@@ -1,7 +1,7 @@
 """Speculative sampling reproduces the target's processed distribution (statistical tests).
 
 No model: a tiny vocabulary with hand-written logits. For each case the *first emitted
-token* of `verify_sampled` is collected over many trials (seed varies per trial, the draft
+token* of the batched verifier (app/spec/verify.py) is collected over many trials (seed varies per trial, the draft
 token is drawn from the draft distribution with its own RNG) and compared with the target's
 processed distribution (temperature 0.7 with top_p 0.9, or with top_k) by a chi-square
 goodness-of-fit test. The distribution is also checked independently of `processed_probs`
@@ -18,11 +18,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from app.config import SamplingParams
+from app.sampling_params import SamplingParams
 from app.engine import SpecEngine
 from app.proposers import DraftModelProposer
-from app.sampling import position_generator, processed_probs, sample
-from app.verification import verify_sampled
+from app.spec.sampling import inverse_cdf, processed_probs, uniform
+from app.spec.verify import RowToVerify, Verified, verify_batch
 
 TRIALS = 4000
 P_MIN = 1e-3  # a correct sampler fails with probability 1e-3 per case (fixed seeds: never flaky)
@@ -74,6 +74,16 @@ def reference_probs(logits: np.ndarray, temperature: float, top_p: float, top_k:
 
 
 # ---- the harness --------------------------------------------------------------------------
+def verify_sampled(proposals, draft_probs, target_logits, params, seed, first_position) -> Verified:
+    """One sampled row through the batched verifier: logits `[1, k+1, vocab]`."""
+    logits = target_logits[: len(proposals) + 1].unsqueeze(0)
+    return verify_batch(logits, [RowToVerify(0, list(proposals), draft_probs, params, seed, first_position)])[0]
+
+
+def sample(probs: torch.Tensor, u: float) -> int:
+    return int(inverse_cdf(probs.unsqueeze(0), torch.tensor([u], dtype=torch.float64))[0])
+
+
 def verifier_under_test(proposals, draft_probs, target_logits, params, seed, first_position):
     return verify_sampled(proposals, draft_probs, target_logits, params, seed, first_position).tokens
 
@@ -86,12 +96,11 @@ def accept_always(proposals, draft_probs, target_logits, params, seed, first_pos
 def resample_from_p_on_reject(proposals, draft_probs, target_logits, params, seed, first_position):
     """Negative control: the classic bug of drawing the correction from p instead of (p - q)+."""
     p = processed_probs(target_logits, params)
-    gen = position_generator(seed, first_position, "target")
     x = proposals[0]
     q_x = float(draft_probs[0, x]) if draft_probs is not None else 1.0
-    if float(torch.rand((), generator=gen)) < min(1.0, float(p[0, x]) / q_x):
+    if uniform(seed, first_position, "accept") < min(1.0, float(p[0, x]) / q_x):
         return [x]
-    return [sample(p[0], gen)]
+    return [sample(p[0], uniform(seed, first_position, "sample"))]
 
 
 def emitted_counts(verifier, params, stochastic: bool, k: int, trials: int = TRIALS, seed: int = 1234):
@@ -242,7 +251,7 @@ def test_a_vanishing_temperature_gives_the_argmax_not_nan(temperature: float) ->
     probs = processed_probs(logits, SamplingParams(temperature=temperature))
     assert torch.isfinite(probs).all()
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
-    assert sample(probs[0], position_generator(1, 0, "target")) == 1
+    assert sample(probs[0], uniform(1, 0, "sample")) == 1
 
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-9])

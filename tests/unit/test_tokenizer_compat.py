@@ -12,7 +12,7 @@ import pytest
 
 from app.config import PROJECT_ROOT, EngineConfig, ModelSpec
 from app.generate import build_engine
-from app.model_runner import load_tokenizer
+from app.runners.loading import load_tokenizer
 from app.tokenizer_compat import IncompatibleDraft, check_compatible
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -1,0 +1,297 @@
+"""The runner: one model on one device and the KV cache it owns.
+
+The engine holds sequence ids and token ids, never cache tensors. The runner gives each
+sequence a row of a static cache `[layers, max_seqs, max_len, kv_heads, head_dim]`
+(app/fast_llama.py) and keeps how many tokens each row holds:
+
+- `add(seq)` takes the next free row; `remove(seq)` frees it, moving the last occupied row
+  into the hole (a copy of that row's cached tokens only), so the occupied rows are always
+  0..n-1 and a batched pass is a plain prefix `[:B]` of the cache, read in place.
+- `truncate(seq, n)` rolls back by length: entries past a row's length are masked by
+  position (a query at position p sees keys 0..p) and overwritten by the next pass.
+- `step(seqs, inputs)` feeds every stepping sequence its tokens (1 to decode, k+1 to verify)
+  in one forward over rows 0..B-1, B the batch bucket >= the occupied rows; rows that do not
+  step (or are padding) are fed at and past their own length, where writes are harmless.
+  On CUDA each (bucket, width) replays a captured CUDA graph, all graphs sharing one memory
+  pool; on the CPU it runs eagerly.
+- `prefill(seq, tokens)` appends a prompt chunk to one row (a graph per power-of-two length
+  bucket on CUDA) and returns the logits of its last token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from app import rows_attention
+from app.config import MAX_SPECULATIVE_TOKENS, ModelSpec
+from app.fast_llama import FastLlama, capture_graph
+from app.runners.loading import eos_ids, load_model, load_tokenizer
+from app.runners.transfer import copy_to, to_device
+
+log = logging.getLogger(__name__)
+
+MAX_WIDTH = MAX_SPECULATIVE_TOKENS + 1  # the widest pass: k proposals + the last token
+PREFILL_MIN_BUCKET = 16
+PREFILL_GRAPH_MAX = 1024  # prompt chunks up to this bucket replay a graph; longer ones run eagerly
+
+
+class ContextOverflow(ValueError):
+    def __init__(self, needed: int, limit: int) -> None:
+        super().__init__(f"sequence needs {needed} tokens of context but the model allows {limit}")
+        self.needed, self.limit = needed, limit
+
+
+class CacheFull(RuntimeError):
+    """Every row of the runner's cache holds a sequence (admission should have refused)."""
+
+
+def batch_buckets(max_seqs: int) -> list[int]:
+    """Batch sizes with a graph: powers of two, then steps of 8, up to max_seqs."""
+    out, b = [], 1
+    while b < min(max_seqs, 8):
+        out.append(b)
+        b *= 2
+    b = 8
+    while b < max_seqs:
+        out.append(b)
+        b += 8 if b < 64 else 32
+    out.append(max_seqs)
+    return sorted(set(out))
+
+
+def prefill_bucket(n: int) -> int:
+    return max(PREFILL_MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+class ModelRunner:
+    """A model, its tokenizer and the KV cache of up to `max_seqs` sequences.
+
+    widths: the pass widths to capture graphs for (1 for decode, k+1 for verify, 2 for a
+    draft's catch-up); others run eagerly."""
+
+    def __init__(self, spec: ModelSpec, max_seqs: int, widths: Sequence[int] = (1,)) -> None:
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.tokenizer = load_tokenizer(spec)
+        hf = load_model(spec)
+        cfg = hf.config
+        self.vocab_size: int = cfg.vocab_size
+        self.max_context: int = spec.max_context or cfg.max_position_embeddings
+        self.pad_id: int = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_ids: frozenset[int] = eos_ids(self.tokenizer, hf)
+        cuda = self.device.type == "cuda"
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        in_place = cuda and rows_attention.supports(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+        self.model = FastLlama(hf, max_batch=max_seqs, max_len=self.max_context + MAX_WIDTH,
+                               weights="int8" if spec.quantization == "int8" else "bf16",
+                               decode_attention="triton" if in_place else "matmul",
+                               # on CUDA the small elementwise kernels (norms, rope, SiLU) are ~20% of an
+                               # 8B step unfused; compiled, they fuse (seconds at start-up)
+                               compile_elementwise=cuda)
+        del hf
+        self.max_seqs = max_seqs
+        self.buckets = batch_buckets(max_seqs)
+        self._row: dict[str, int] = {}
+        self._ids: list[str] = []  # row -> sequence id; rows 0..n-1 are occupied
+        self._lengths: list[int] = []  # row -> tokens cached
+        self._prefill_graphs: dict[int, tuple] = {}
+        self._pool = torch.cuda.graph_pool_handle() if cuda and spec.cuda_graphs else None
+        if self._pool is not None:
+            self._capture(sorted(set(widths)))
+
+    # ---- sequences -----------------------------------------------------------------------
+    def add(self, seq_id: str) -> None:
+        if seq_id in self._row:
+            raise ValueError(f"sequence {seq_id!r} already has a cache row")
+        if len(self._ids) >= self.max_seqs:
+            raise CacheFull(f"all {self.max_seqs} cache rows are taken")
+        self._row[seq_id] = len(self._ids)
+        self._ids.append(seq_id)
+        self._lengths.append(0)
+
+    def remove(self, seq_id: str) -> None:
+        """Free a sequence's row; the last occupied row moves into it (only its cached tokens are copied)."""
+        row = self._row.pop(seq_id, None)
+        if row is None:
+            return
+        last = len(self._ids) - 1
+        if row != last:
+            moved, n = self._ids[last], self._lengths[last]
+            if n:
+                m = self.model
+                m.k_cache[:, row, :n].copy_(m.k_cache[:, last, :n])  # [layers, n, KV, D]
+                m.v_cache[:, row, :n].copy_(m.v_cache[:, last, :n])
+            self._ids[row], self._lengths[row] = moved, n
+            self._row[moved] = row
+        self._ids.pop()
+        self._lengths.pop()
+
+    def clear(self) -> None:
+        """Free every row (nothing is copied: rows are reused from 0)."""
+        self._row.clear()
+        self._ids.clear()
+        self._lengths.clear()
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._row
+
+    def length(self, seq_id: str) -> int:
+        """Tokens of the sequence whose K/V the cache holds (0 for an unknown sequence)."""
+        row = self._row.get(seq_id)
+        return 0 if row is None else self._lengths[row]
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Roll back to the first `length` tokens: nothing moves, later entries are masked, then overwritten."""
+        row = self._row[seq_id]
+        if length > self._lengths[row]:
+            raise ValueError(f"cannot roll a {self._lengths[row]}-token cache forward to {length}")
+        self._lengths[row] = length
+
+    def row(self, seq_id: str) -> int:
+        return self._row[seq_id]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._ids)
+
+    def cached_tokens(self) -> int:
+        return sum(self._lengths)
+
+    # ---- passes --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, seq_ids: Sequence[str], inputs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Feed `inputs[i]` (1..MAX_WIDTH tokens) to sequence i at its cached length, in one forward.
+
+        Returns the logits `[B, T, vocab]` on the device (B >= every occupied row, T the widest
+        input; a row's inputs are left-aligned, so its logits are `[row, :len(inputs[i])]`) and
+        each sequence's row. The logits stay valid until the runner's next pass."""
+        n = len(self._ids)
+        T = max(len(x) for x in inputs)
+        if T > MAX_WIDTH:
+            raise ValueError(f"a pass feeds at most {MAX_WIDTH} tokens per sequence, got {T}")
+        B = next(b for b in self.buckets if b >= n)
+        base = np.zeros(B, dtype=np.int64)
+        base[:n] = self._lengths
+        tokens = np.zeros((B, T), dtype=np.int64)
+        rows = []
+        for seq_id, toks in zip(seq_ids, inputs):
+            row = self._row[seq_id]
+            end = self._lengths[row] + len(toks)
+            if end > self.max_context:
+                raise ContextOverflow(end, self.max_context)
+            tokens[row, :len(toks)] = toks
+            rows.append(row)
+        # rows that do not step (and padding rows) write at and past their own length: harmless
+        positions = base[:, None] + np.arange(T)  # [B, T]
+        logits = self._run(torch.from_numpy(tokens), torch.from_numpy(positions))
+        for seq_id, row, toks in zip(seq_ids, rows, inputs):
+            self._lengths[row] += len(toks)
+        return logits, rows
+
+    @torch.inference_mode()
+    def step_tokens(self, seq_ids: Sequence[str], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """step() of one token per sequence given on the device (`[n]` long): a draft feeding its own
+        last proposal back without a host read. Returns the logits `[B, 1, vocab]` and the rows."""
+        n = len(self._ids)
+        B = next(b for b in self.buckets if b >= n)
+        rows = [self._row[s] for s in seq_ids]
+        for row in rows:  # a draft's padding steps may pass max_context by < MAX_WIDTH: the cache has room
+            if self._lengths[row] + 1 > self.model.max_len:
+                raise ContextOverflow(self._lengths[row] + 1, self.max_context)
+        positions = np.zeros((B, 1), dtype=np.int64)
+        positions[:n, 0] = self._lengths
+        rows_t = to_device(rows, self.device)
+        entry = self.model.graphs.get((B, 1))
+        if entry is None:
+            tok = torch.zeros((B, 1), dtype=torch.long, device=self.device)
+            tok[rows_t, 0] = tokens
+            logits = self.model.forward(tok, to_device(positions, self.device),
+                                        kv_len=self._kv_len(int(positions.max())))
+        else:
+            graph, tok_buf, pos_buf, logits = entry
+            tok_buf.zero_()
+            tok_buf[rows_t, 0] = tokens
+            copy_to(pos_buf, positions)
+            with torch.cuda.device(self.device):
+                graph.replay()
+        for row in rows:
+            self._lengths[row] += 1
+        return logits, rows
+
+    @torch.inference_mode()
+    def prefill(self, seq_id: str, tokens: Sequence[int]) -> torch.Tensor:
+        """Append `tokens` to the sequence's cache; returns the logits of the last one `[vocab]` (device)."""
+        row = self._row[seq_id]
+        start, P = self._lengths[row], len(tokens)
+        if start + P > self.max_context:
+            raise ContextOverflow(start + P, self.max_context)
+        bucket = prefill_bucket(P)
+        m = self.model
+        if self._pool is not None and bucket <= PREFILL_GRAPH_MAX and start + bucket <= m.max_len:
+            graph, tok_buf, pos_buf, row_buf, hidden = self._prefill_graph(bucket)
+            host = torch.zeros((2, bucket), dtype=torch.long)
+            host[0, :P] = torch.tensor(tokens, dtype=torch.long)
+            host[1] = torch.arange(start, start + bucket)  # the pads write past the prompt: harmless
+            copy_to(tok_buf, host[:1])
+            copy_to(pos_buf, host[1:])
+            row_buf.fill_(row)
+            with torch.cuda.device(self.device):
+                graph.replay()
+            logits = m._mm(hidden[:, P - 1], m.lm_head)[0]  # [vocab]
+        else:
+            ids = to_device([list(tokens)], self.device)
+            positions = torch.arange(start, start + P, device=self.device).view(1, -1)
+            rows = to_device([row], self.device)
+            logits = m.forward(ids, positions, last_only=True, rows=rows,
+                               kv_len=self._kv_len(start + P - 1))[0, -1]  # [vocab]
+        self._lengths[row] = start + P
+        return logits
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions `[B, T]` on the host -> logits `[B, T, vocab]` on the device."""
+        entry = self.model.graphs.get(tuple(tokens.shape))
+        if entry is None:
+            return self.model.forward(to_device(tokens, self.device), to_device(positions, self.device),
+                                      kv_len=self._kv_len(int(positions.max())))
+        graph, tok_buf, pos_buf, logits = entry
+        copy_to(tok_buf, tokens)
+        copy_to(pos_buf, positions)
+        with torch.cuda.device(self.device):
+            graph.replay()
+        return logits
+
+    def _kv_len(self, last_position: int) -> int:
+        """Keys an eager pass attends over: past its last position, rounded up (fewer distinct shapes)."""
+        return min(self.model.max_len, (last_position // 64 + 1) * 64)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+    def _capture(self, widths: list[int]) -> None:
+        t0 = time.perf_counter()
+        # largest first: the shared pool is sized by the first capture, later ones fit in it
+        for batch in sorted(self.buckets, reverse=True):
+            for width in sorted(widths, reverse=True):
+                self.model.capture(width, batch, pool=self._pool)
+        for bucket in (16, 32, 64, 128, 256, 512):
+            if bucket <= min(PREFILL_GRAPH_MAX, self.model.max_len):
+                self._prefill_graph(bucket)
+        log.info("captured %d step graphs (batch %s x width %s) and %d prefill graphs in %.1fs",
+                 len(self.model.graphs), self.buckets, widths, len(self._prefill_graphs), time.perf_counter() - t0)
+
+    def _prefill_graph(self, bucket: int) -> tuple:
+        entry = self._prefill_graphs.get(bucket)
+        if entry is None:
+            m = self.model
+            tokens = torch.zeros((1, bucket), dtype=torch.long, device=self.device)
+            # capture writes at the cache's last positions of row 0 (masked for every live sequence)
+            positions = torch.arange(m.max_len - bucket, m.max_len, device=self.device).view(1, -1)
+            rows = torch.zeros(1, dtype=torch.long, device=self.device)
+            graph, hidden = capture_graph(self.device, lambda: m._hidden(tokens, positions, rows), pool=self._pool)
+            entry = self._prefill_graphs[bucket] = (graph, tokens, positions, rows, hidden)
+        return entry

@@ -1,0 +1,1 @@
+"""Speculation: sampling with per-position randomness and verification of proposals."""

@@ -1,0 +1,98 @@
+"""Verification of every sequence of a step on the device, with one host read.
+
+Greedy rows: accept the longest prefix of the proposals equal to the target's argmax, then
+emit the target's own token there (the correction, or the bonus when all k are accepted):
+the output is the target's greedy output token for token. Plain rows are k = 0.
+
+Sampled rows (Leviathan et al. / Chen et al.): accept proposal x_i when u_i q_i(x_i) < p_i(x_i)
+(probability min(1, p/q)); at the first rejection emit a draw from the normalised residual
+(p_i - q_i)+, and when all k are accepted a bonus draw from p_k. The emitted tokens are
+distributed exactly as the target's own sampling. A deterministic proposer (n-gram, greedy
+draft) has q = one-hot: acceptance is p_i(x_i) and the residual is p_i without x_i. The
+uniforms come from (seed, position) (app/spec/sampling.py), so a failover redraws the same.
+
+Everything stays on the device until the step's results `[n, T+1]` (tokens, then the accepted
+count) are read back at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.sampling_params import SamplingParams
+from app.runners.transfer import to_device
+from app.spec.sampling import inverse_cdf, processed_probs, uniforms
+
+
+@dataclass(frozen=True)
+class RowToVerify:
+    row: int  # the sequence's row in the pass's logits
+    proposals: list[int]  # k >= 0 draft tokens fed after the last token
+    draft_probs: torch.Tensor | None  # [k, vocab] the distributions the proposals were drawn from; None: deterministic
+    sampling: SamplingParams
+    seed: int
+    position: int  # absolute position of the first token this row emits
+
+
+@dataclass(frozen=True)
+class Verified:
+    tokens: list[int]  # the accepted proposals and one target token: 1..k+1 tokens
+    num_accepted: int
+
+
+def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified]:
+    """logits `[B, W, vocab]` from one pass (row r fed its last token and proposals left-aligned)."""
+    if not rows:
+        return []
+    device = logits.device
+    T = max(len(r.proposals) for r in rows) + 1  # the widest row's outputs
+    out = torch.zeros((len(rows), T + 1), dtype=torch.long, device=device)  # [n, T tokens + accepted]
+    greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
+    if greedy:
+        which = to_device([rows[i].row for i in greedy], device)
+        choice = logits.index_select(0, which)[:, :T].argmax(dim=-1)  # [g, T]
+        proposals = torch.full((len(greedy), max(T - 1, 1)), -1, dtype=torch.long)  # [g, T-1], -1 matches nothing
+        for j, i in enumerate(greedy):
+            props = rows[i].proposals
+            proposals[j, :len(props)] = torch.tensor(props, dtype=torch.long)
+        match = choice[:, :T - 1] == to_device(proposals[:, :T - 1], device)  # [g, T-1]
+        accepted = match.long().cumprod(dim=1).sum(dim=1)  # [g]
+        out[to_device(greedy, device)] = torch.cat([choice, accepted.unsqueeze(1)], dim=1)
+    for i, r in enumerate(rows):
+        if not r.sampling.greedy:
+            out[i] = _verify_sampled(logits[r.row, :len(r.proposals) + 1], r, T)
+    host = out.tolist()  # the one host read of the step
+    return [Verified(h[:h[T] + 1], h[T]) for h in host]
+
+
+def _verify_sampled(logits: torch.Tensor, r: RowToVerify, T: int) -> torch.Tensor:
+    """logits `[k+1, vocab]` of one sampled row -> `[T + 1]`: tokens (valid up to the accepted
+    count + 1), then the accepted count."""
+    device, k = logits.device, len(r.proposals)
+    p = processed_probs(logits, r.sampling)  # [k+1, vocab]
+    out = torch.zeros(T + 1, dtype=torch.long, device=device)
+    if k == 0:
+        out[0] = inverse_cdf(p, uniforms(r.seed, r.position, 1, "sample", device))[0]
+        return out
+    props = to_device(r.proposals, device)  # [k]
+    at = torch.arange(k, device=device)
+    p_x = p[at, props]  # [k]
+    if r.draft_probs is not None:
+        q = r.draft_probs.to(device=device, dtype=torch.float32)  # [k, vocab]
+        q_x = q[at, props]
+        accept = (q_x > 0) & (uniforms(r.seed, r.position, k, "accept", device) * q_x < p_x)
+        residual = (p[:k] - q).clamp_min(0.0)
+    else:  # q one-hot on the proposal
+        accept = uniforms(r.seed, r.position, k, "accept", device) < p_x
+        residual = p[:k].clone()
+        residual[at, props] = 0.0
+    # no residual mass only where p == q exactly, where rejection has probability 0: draw from p then
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
+    candidates = inverse_cdf(torch.cat([residual, p[k:]]), uniforms(r.seed, r.position, k + 1, "sample", device))  # [k+1]
+    accepted = accept.long().cumprod(dim=0).sum()  # []
+    idx = torch.arange(k + 1, device=device)
+    out[:k + 1] = torch.where(idx < accepted, torch.cat([props, props[:1]]), candidates[accepted])
+    out[T] = accepted
+    return out
