@@ -25,9 +25,6 @@ PACKAGES = ("app", "deployments", "bench")
 # (importer, imported): the edge whose removal breaks the cycle -> why it is still there
 KNOWN: dict[tuple[str, str], str] = {
     ("deployments.request_run", "deployments.router"): "router <-> request_run: being reworked",
-    ("app.proposers.base", "app.config"): (
-        "app/proposers/base.py imports SamplingParams from app.config instead of app.sampling_params "
-        "(app/proposers is being rewritten)"),
 }
 
 
