@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+DECODE_CONTEXT = 4  # tokens decoded before the settled point, so spaces and bytes join as in a whole decode
+
 
 @dataclass
 class TextUpdate:
@@ -26,11 +28,28 @@ class StopChecker:
         self.stop = tuple(s for s in stop if s)
         self.token_ids: list[int] = []
         self.released = ""  # text already handed out
+        self._settled_tokens = 0  # decode(token_ids[:_settled_tokens]) == _settled_text
+        self._settled_text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        # Re-decoding the whole output is O(n) per step; fine at the lengths served here and
-        # always right for byte-level BPE, where a token's text depends on its neighbours.
+        """decode(ids) for ids extending the settled tokens, in time independent of the output's length:
+        the settled text plus what decoding from a few tokens before the settled point adds (vLLM's
+        incremental detokenization: the context lets the tokenizer place spaces and join bytes as in
+        a whole decode). Falls back to a whole decode where the two could disagree."""
+        n0 = self._settled_tokens
+        if n0 and ids[:n0] == self.token_ids[:n0]:
+            c = max(0, n0 - DECODE_CONTEXT)
+            head = self.tokenizer.decode(ids[c:n0], skip_special_tokens=True)
+            tail = self.tokenizer.decode(ids[c:], skip_special_tokens=True)
+            if tail.startswith(head) and not head.endswith("\ufffd"):
+                return self._settled_text + tail[len(head):]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _settle(self, text: str) -> None:
+        """Remember the text of every token so far (the next decodes start near its end), unless it
+        ends inside a character (a byte-level token that a later one completes)."""
+        if not text.endswith("\ufffd"):
+            self._settled_tokens, self._settled_text = len(self.token_ids), text
 
     def add(self, new_ids: list[int]) -> TextUpdate:
         """Offer new tokens; returns the text that may be released and where a stop cut in."""
@@ -42,8 +61,9 @@ class StopChecker:
                 delta = text[len(self.released) : cut] if cut > len(self.released) else ""
                 self.released += delta
                 return TextUpdate(delta=delta, num_tokens=used, stopped=True)
+        text = self._decode(self.token_ids + new_ids)
         self.token_ids.extend(new_ids)
-        text = self._decode(self.token_ids)
+        self._settle(text)
         stable = len(text) - self._holdback(text)
         delta = text[len(self.released) : stable] if stable > len(self.released) else ""
         self.released += delta

@@ -130,7 +130,8 @@ class SpecEngine:
         self.running: dict[str, Sequence] = {}  # admitted: prefilling or decoding, each with a cache row
         self.stats = AcceptanceStats()
         self.last_times = StepTimes()
-        self.proposer_errors = 0
+        self.proposer_errors = 0  # steps that decoded plainly because the proposer was unavailable
+        self.queue_times: list[float] = []  # seconds admitted requests waited; the caller drains it
 
     # ---- admission -------------------------------------------------------------------
     def add(
@@ -217,6 +218,7 @@ class SpecEngine:
         times.overhead = max(0.0, t1 - t0 - times.draft - times.target)
         while self.waiting and self._fits(self.waiting[0].reserved_tokens()):
             seq = self.waiting.popleft()
+            self.queue_times.append(time.monotonic() - seq.arrival)
             self.running[seq.seq_id] = seq
             self.runner.add(seq.seq_id)
         updates += self._prefill_chunks()

@@ -134,3 +134,18 @@ async def stream_updates(queue: asyncio.Queue, timeout_s: float):
         yield update
         if update.finish_reason is not None:
             return
+
+
+async def stream_batches(queue: asyncio.Queue, timeout_s: float):
+    """stream_updates, coalesced: each item is a list of every update waiting at that moment (one
+    while the consumer keeps up); the last list ends with the finishing update."""
+    async for update in stream_updates(queue, timeout_s):
+        batch = [update]
+        while batch[-1].finish_reason is None and not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, Exception):
+                raise item
+            batch.append(item)
+        yield batch
+        if batch[-1].finish_reason is not None:
+            return

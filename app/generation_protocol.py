@@ -20,14 +20,25 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class GenerateChunk:
-    """One engine step's worth of output for one request."""
+    """One or more engine steps' output for one request. The target replica sends a chunk per step
+    while its reader keeps up, and merges the steps that waited when it does not (at tens of
+    streams, thousands of chunks a second would otherwise cost more than the tokens)."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None
     drafted: int = 0
-    accepted: int = 0  # the first `accepted` tokens were proposed by the draft; the rest is the target's
+    accepted: int = 0  # one step: the first `accepted` tokens were proposed by the draft; the rest is the target's
     k: int = 0
     replica: str = ""
     error: str | None = None  # admission refused: the router answers with `status`
     status: int = 0
+    steps: tuple[tuple[int, int, int], ...] = ()  # merged steps: (tokens, drafted, accepted) each, in order
+
+    def parts(self) -> tuple[tuple[int, int, int], ...]:
+        """(tokens, drafted, accepted) of each step in this chunk."""
+        return self.steps or ((len(self.token_ids), self.drafted, self.accepted),)
+
+    def origins(self) -> list[bool]:
+        """Per token: whether the draft proposed it (the first `accepted` tokens of each step)."""
+        return [i < accepted for n, _, accepted in self.parts() for i in range(n)]

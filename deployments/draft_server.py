@@ -53,7 +53,7 @@ class DraftServer:
         self.worker = DraftWorker(self.reference)
         # torch work is synchronous: serialise steps from several target replicas
         self.lock = threading.Lock()
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(model_name=app_config.model_name)
         self.server = DraftChannelServer(self._step, advertise_host=ray.util.get_node_ip_address())
 
     def _step(self, request: DraftStepRequest) -> DraftStepResponse:

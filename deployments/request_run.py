@@ -201,9 +201,10 @@ class RequestRun:
             metrics.record_generation_tokens(len(chunk.token_ids))
         self.tokens += chunk.token_ids
         self.replica = chunk.replica or self.replica
-        self.stats.record(chunk.drafted, chunk.accepted)
-        if chunk.drafted:
-            self.router.policy.observe_verification(self.prompt_class, chunk.drafted, chunk.accepted)
+        for _, drafted, accepted in chunk.parts():
+            self.stats.record(drafted, accepted)
+            if drafted:
+                self.router.policy.observe_verification(self.prompt_class, drafted, accepted)
         if chunk.finish_reason is not None and not self.finished:
             self.finished = True
             metrics.observe_e2e(time.monotonic() - self.started)
@@ -248,8 +249,8 @@ class RequestRun:
 def provenance(tokenizer, chunk: GenerateChunk) -> list[dict[str, Any]]:
     """Per-token origin for the playground: the first `accepted` tokens came from the draft."""
     return [
-        {"id": t, "text": tokenizer.decode([t]), "origin": "draft" if i < chunk.accepted else "target"}
-        for i, t in enumerate(chunk.token_ids)
+        {"id": t, "text": tokenizer.decode([t]), "origin": "draft" if drafted else "target"}
+        for t, drafted in zip(chunk.token_ids, chunk.origins())
     ]
 
 

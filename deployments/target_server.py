@@ -20,7 +20,7 @@ from app.config import AppConfig
 from app.draft_channel import DraftChannelClient
 from app.draft_protocol import DraftClient, DraftStepRequest, DraftStepResponse, DraftUnavailable
 from app.engine import Overloaded, SpecEngine
-from app.engine_loop import EngineLoop, stream_updates
+from app.engine_loop import EngineLoop, stream_batches
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.host_steal import StealMeter
 from app.runners.model_runner import ContextOverflow, ModelRunner
@@ -176,7 +176,8 @@ class TargetServer:
         self.step_parts = {"steps": 0, "step_s": 0.0, "target_s": 0.0, "draft_s": 0.0, "prefill_s": 0.0,
                            "overhead_s": 0.0, "between_s": 0.0, "batch": 0}
         self._last_step_end: float | None = None
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(model_name=self.config.model_name)
+        self._seen_errors = self._seen_resends = 0  # the engine's counters already exported
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self._planned: tuple[StepPlan, list[StepCandidate]] | None = None  # this step's plan and batch, set in _plan_k
         self._plans_seen, self._depths = 0, {}  # for a periodic log line of the plans' depths
@@ -302,6 +303,16 @@ class TargetServer:
             self.metrics.observe_step("draft", times.draft)
             self._observe_draft(engine, times.draft, times.num_speculating, max((u.drafted for u in updates), default=0))
         self.metrics.set_load(len(engine.running), len(engine.waiting), engine.cached_tokens(), len(engine.running))
+        self.metrics.set_kv_usage(min(1.0, engine.reserved_tokens() / engine.limits.max_cached_tokens))
+        while engine.queue_times:
+            self.metrics.observe_queue_time(engine.queue_times.pop())
+        if engine.proposer_errors != self._seen_errors:
+            self._seen_errors = engine.proposer_errors
+            self.metrics.record_plain_no_draft_step()
+        resends = getattr(engine.proposer, "resends", 0)
+        if resends != self._seen_resends:
+            self.metrics.record_draft_misses(resends - self._seen_resends)
+            self._seen_resends = resends
         self._last_step_end = time.perf_counter()
 
     def _observe_draft(self, engine: SpecEngine, total_s: float, batch: int, depth: int) -> None:
@@ -338,9 +349,17 @@ class TargetServer:
             return
         finished = False
         try:
-            async for u in stream_updates(queue, request.timeout_s):
-                finished = u.finish_reason is not None
-                yield GenerateChunk(u.token_ids, u.text, u.finish_reason, u.drafted, u.accepted, u.k, self.replica_id)
+            async for batch in stream_batches(queue, request.timeout_s):
+                last = batch[-1]
+                finished = last.finish_reason is not None
+                if len(batch) == 1:
+                    yield GenerateChunk(last.token_ids, last.text, last.finish_reason, last.drafted, last.accepted,
+                                        last.k, self.replica_id)
+                else:  # the reader fell behind: one chunk for every step that waited
+                    yield GenerateChunk([t for u in batch for t in u.token_ids], "".join(u.text for u in batch),
+                                        last.finish_reason, sum(u.drafted for u in batch),
+                                        sum(u.accepted for u in batch), last.k, self.replica_id,
+                                        steps=tuple((len(u.token_ids), u.drafted, u.accepted) for u in batch))
         finally:
             if not finished:  # client gone, deadline passed, or the router cancelled us
                 self.loop.cancel(request.request_id)

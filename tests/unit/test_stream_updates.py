@@ -68,3 +68,32 @@ def test_engine_error_is_raised_to_the_consumer() -> None:
 
     with pytest.raises(RuntimeError, match="engine step failed"):
         asyncio.run(run())
+
+
+def test_a_slow_reader_gets_every_waiting_step_in_one_batch() -> None:
+    from app.engine_loop import stream_batches
+
+    async def run() -> list[list[int]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for t in (1, 2, 3):
+            queue.put_nowait(update(t))
+        batches: list[list[int]] = []
+        async for batch in stream_batches(queue, 5.0):
+            batches.append([x for u in batch for x in u.token_ids])
+            if len(batches) == 1:
+                queue.put_nowait(update(4))
+                queue.put_nowait(update(5, "length"))
+                queue.put_nowait(update(6))  # after the finish: never read
+        return batches
+
+    assert asyncio.run(run()) == [[1, 2, 3], [4, 5]]
+
+
+def test_a_merged_chunk_keeps_each_steps_drafts_and_origins() -> None:
+    from app.generation_protocol import GenerateChunk
+
+    one = GenerateChunk([7, 8, 9], "abc", None, drafted=4, accepted=2)
+    assert one.parts() == ((3, 4, 2),) and one.origins() == [True, True, False]
+    merged = GenerateChunk([7, 8, 9, 10], "abcd", None, drafted=6, accepted=3, steps=((3, 4, 2), (1, 2, 1)))
+    assert merged.parts() == ((3, 4, 2), (1, 2, 1))
+    assert merged.origins() == [True, True, False, True]
