@@ -228,17 +228,24 @@ class SpecEngine:
 
     def _prefill_chunks(self) -> list[SeqUpdate]:
         """Prefill admitted prompts, oldest first, up to `prefill_chunk` tokens in all (at least one
-        chunk, so a prompt longer than the budget still advances); emit each completed one's first token."""
-        updates, budget = [], self.prefill_chunk
+        chunk, so a prompt longer than the budget still advances), in one batched pass; emit each
+        completed prompt's first token."""
+        seqs, chunks, budget = [], [], self.prefill_chunk
         for seq in [s for s in self.running.values() if s.prefilled < len(s.prompt_ids)]:
             if budget <= 0:
                 break
             n = min(len(seq.prompt_ids) - seq.prefilled, max(budget, 1))
-            logits = self.runner.prefill(seq.seq_id, seq.prompt_ids[seq.prefilled:seq.prefilled + n])  # [vocab]
-            seq.prefilled += n
+            seqs.append(seq)
+            chunks.append(seq.prompt_ids[seq.prefilled:seq.prefilled + n])
             budget -= n
+        if not seqs:
+            return []
+        logits = self.runner.prefill_batch([s.seq_id for s in seqs], chunks)  # [n, vocab]
+        updates = []
+        for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
+            seq.prefilled += len(chunk)
             if seq.prefilled == len(seq.prompt_ids):
-                token = int(sample_token(logits, seq.sampling, seq.seed, len(seq.prompt_ids)))
+                token = int(sample_token(logits[i], seq.sampling, seq.seed, len(seq.prompt_ids)))
                 updates.append(self._emit(seq, [token], drafted=0, accepted=0))
         return updates
 

@@ -14,8 +14,8 @@ sequence a row of a static cache `[layers, max_seqs, max_len, kv_heads, head_dim
   step (or are padding) are fed at and past their own length, where writes are harmless.
   On CUDA each (bucket, width) replays a captured CUDA graph, all graphs sharing one memory
   pool; on the CPU it runs eagerly.
-- `prefill(seq, tokens)` appends a prompt chunk to one row (a graph per power-of-two length
-  bucket on CUDA) and returns the logits of its last token.
+- `prefill_batch(seqs, chunks)` appends a prompt chunk to each sequence's row in one pass (a
+  graph per (rows, power-of-two length bucket) on CUDA) and returns each chunk's last logits.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 MAX_WIDTH = MAX_SPECULATIVE_TOKENS + 1  # the widest pass: k proposals + the last token
 PREFILL_MIN_BUCKET = 16
-PREFILL_GRAPH_MAX = 1024  # prompt chunks up to this bucket replay a graph; longer ones run eagerly
+PREFILL_ROWS = (1, 2, 4, 8)  # sequences prefilled together in one graph
+PREFILL_GRAPH_TOKENS = 2048  # prefill graphs up to rows x bucket tokens; larger passes run eagerly
 
 
 class ContextOverflow(ValueError):
@@ -89,7 +90,8 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         in_place = cuda and rows_attention.supports(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
-        self.model = FastLlama(hf, max_batch=max_seqs, max_len=self.max_context + MAX_WIDTH,
+        # one row more than sequences: the scratch row that a batched prefill's padding writes into
+        self.model = FastLlama(hf, max_batch=max_seqs + 1, max_len=self.max_context + MAX_WIDTH,
                                weights="int8" if spec.quantization == "int8" else "bf16",
                                decode_attention="triton" if in_place else "matmul",
                                # on CUDA the small elementwise kernels (norms, rope, SiLU) are ~20% of an
@@ -97,11 +99,12 @@ class ModelRunner:
                                compile_elementwise=cuda)
         del hf
         self.max_seqs = max_seqs
+        self._scratch_row = max_seqs
         self.buckets = batch_buckets(max_seqs)
         self._row: dict[str, int] = {}
         self._ids: list[str] = []  # row -> sequence id; rows 0..n-1 are occupied
         self._lengths: list[int] = []  # row -> tokens cached
-        self._prefill_graphs: dict[int, tuple] = {}
+        self._prefill_graphs: dict[tuple[int, int], tuple] = {}  # (rows, length bucket) -> graph and buffers
         self._pool = torch.cuda.graph_pool_handle() if cuda and spec.cuda_graphs else None
         if self._pool is not None:
             self._capture(sorted(set(widths)))
@@ -225,34 +228,53 @@ class ModelRunner:
             self._lengths[row] += 1
         return logits, rows
 
-    @torch.inference_mode()
     def prefill(self, seq_id: str, tokens: Sequence[int]) -> torch.Tensor:
         """Append `tokens` to the sequence's cache; returns the logits of the last one `[vocab]` (device)."""
-        row = self._row[seq_id]
-        start, P = self._lengths[row], len(tokens)
-        if start + P > self.max_context:
-            raise ContextOverflow(start + P, self.max_context)
-        bucket = prefill_bucket(P)
+        return self.prefill_batch([seq_id], [tokens])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, seq_ids: Sequence[str], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append chunks[i] to sequence i's cache, all in one pass where a graph fits (newcomers of one
+        step prefill together: one read of the weights for all). Returns each chunk's last logits
+        `[n, vocab]` on the device."""
+        rows = [self._row[s] for s in seq_ids]
+        starts = [self._lengths[r] for r in rows]
+        lens = [len(c) for c in chunks]
+        for start, n in zip(starts, lens):
+            if start + n > self.max_context:
+                raise ContextOverflow(start + n, self.max_context)
         m = self.model
-        if self._pool is not None and bucket <= PREFILL_GRAPH_MAX and start + bucket <= m.max_len:
-            graph, tok_buf, pos_buf, row_buf, hidden = self._prefill_graph(bucket)
-            host = torch.zeros((2, bucket), dtype=torch.long)
-            host[0, :P] = torch.tensor(tokens, dtype=torch.long)
-            host[1] = torch.arange(start, start + bucket)  # the pads write past the prompt: harmless
-            copy_to(tok_buf, host[:1])
-            copy_to(pos_buf, host[1:])
-            row_buf.fill_(row)
-            with torch.cuda.device(self.device):
-                graph.replay()
-            logits = m._mm(hidden[:, P - 1], m.lm_head)[0]  # [vocab]
-        else:
-            ids = to_device([list(tokens)], self.device)
+        bucket = prefill_bucket(max(lens))
+        height = next((h for h in PREFILL_ROWS if h >= len(rows)), None)
+        if (self._pool is None or height is None or height * bucket > PREFILL_GRAPH_TOKENS
+                or any(start + bucket > m.max_len for start in starts)):
+            if len(rows) > 1:  # eagerly, one sequence at a time
+                return torch.cat([self.prefill_batch([s], [c]) for s, c in zip(seq_ids, chunks)])
+            start, P = starts[0], lens[0]
+            ids = to_device([list(chunks[0])], self.device)
             positions = torch.arange(start, start + P, device=self.device).view(1, -1)
-            rows = to_device([row], self.device)
-            logits = m.forward(ids, positions, last_only=True, rows=rows,
-                               kv_len=self._kv_len(start + P - 1))[0, -1]  # [vocab]
-        self._lengths[row] = start + P
-        return logits
+            logits = m.forward(ids, positions, last_only=True, rows=to_device(rows, self.device),
+                               kv_len=self._kv_len(start + P - 1))[:, -1]  # [1, vocab]
+            self._lengths[rows[0]] = start + P
+            return logits
+        graph, tok_buf, pos_buf, row_buf, hidden = self._prefill_graph(height, bucket)
+        tokens = np.zeros((height, bucket), dtype=np.int64)
+        # the pads write past each chunk (harmless); padding sequences write into the scratch row
+        positions = np.tile(np.arange(bucket, dtype=np.int64), (height, 1))
+        row_ids = np.full(height, self._scratch_row, dtype=np.int64)
+        for i, (row, start, chunk) in enumerate(zip(rows, starts, chunks)):
+            tokens[i, :len(chunk)] = chunk
+            positions[i] += start
+            row_ids[i] = row
+        copy_to(tok_buf, tokens)
+        copy_to(pos_buf, positions)
+        copy_to(row_buf, row_ids)
+        with torch.cuda.device(self.device):
+            graph.replay()
+        last = hidden[to_device(range(len(rows)), self.device), to_device([n - 1 for n in lens], self.device)]
+        for row, start, n in zip(rows, starts, lens):
+            self._lengths[row] = start + n
+        return m._mm(last, m.lm_head)  # [n, vocab]
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions `[B, T]` on the host -> logits `[B, T, vocab]` on the device."""
@@ -278,20 +300,21 @@ class ModelRunner:
         for batch in sorted(self.buckets, reverse=True):
             for width in sorted(widths, reverse=True):
                 self.model.capture(width, batch, pool=self._pool)
-        for bucket in (16, 32, 64, 128, 256, 512):
-            if bucket <= min(PREFILL_GRAPH_MAX, self.model.max_len):
-                self._prefill_graph(bucket)
+        for height in PREFILL_ROWS:
+            for bucket in (16, 32, 64, 128, 256, 512, 1024):
+                if height * bucket <= PREFILL_GRAPH_TOKENS and bucket <= self.model.max_len:
+                    self._prefill_graph(height, bucket)
         log.info("captured %d step graphs (batch %s x width %s) and %d prefill graphs in %.1fs",
                  len(self.model.graphs), self.buckets, widths, len(self._prefill_graphs), time.perf_counter() - t0)
 
-    def _prefill_graph(self, bucket: int) -> tuple:
-        entry = self._prefill_graphs.get(bucket)
+    def _prefill_graph(self, height: int, bucket: int) -> tuple:
+        entry = self._prefill_graphs.get((height, bucket))
         if entry is None:
             m = self.model
-            tokens = torch.zeros((1, bucket), dtype=torch.long, device=self.device)
-            # capture writes at the cache's last positions of row 0 (masked for every live sequence)
-            positions = torch.arange(m.max_len - bucket, m.max_len, device=self.device).view(1, -1)
-            rows = torch.zeros(1, dtype=torch.long, device=self.device)
+            tokens = torch.zeros((height, bucket), dtype=torch.long, device=self.device)
+            # capture writes at the last positions of the scratch row
+            positions = torch.arange(m.max_len - bucket, m.max_len, device=self.device).view(1, -1).repeat(height, 1)
+            rows = torch.full((height,), self._scratch_row, dtype=torch.long, device=self.device)
             graph, hidden = capture_graph(self.device, lambda: m._hidden(tokens, positions, rows), pool=self._pool)
-            entry = self._prefill_graphs[bucket] = (graph, tokens, positions, rows, hidden)
+            entry = self._prefill_graphs[(height, bucket)] = (graph, tokens, positions, rows, hidden)
         return entry
