@@ -6,7 +6,8 @@ Per step, for the whole batch:
      sequence, or one that decoded plainly for a while);
   2. one pass feeding every row its last one or two tokens (the last accepted proposal and the
      target's token), then k - 1 one-token passes feeding each row's proposal back on the
-     device — CUDA graphs, no host read in between;
+     device: for greedy requests all k passes are one CUDA graph (ModelRunner.draft_chain);
+     with sampled requests in the batch, a graph per pass, no host read in between;
   3. one host read of every row's k proposals.
 The k-th proposal is not fed back; if it is accepted it is fed at the next step's catch-up.
 The cache is a cache: a sequence it does not hold (new, evicted, replica restarted) is rebuilt
@@ -51,6 +52,14 @@ class DraftModelProposer(Proposer):
         feeds = [self._catch_up(requests[i], keep=set(ids)) for i in active]  # each 1 or 2 tokens
         device = self.runner.device
         depth = max(ks[i] for i in active)
+        if all(requests[i].sampling.greedy for i in active):  # the whole step as one graph, one host read
+            t1 = time.perf_counter()
+            chains = self.runner.draft_chain(ids, feeds, depth).tolist()  # [n, depth]
+            # the first pass's share: the catch-up prefills and one of the chain's depth passes
+            t2 = time.perf_counter()
+            self.last_first_pass = FirstPass(self._prefilled + sum(len(f) for f in feeds), len(active),
+                                             (t1 - t0) + (t2 - t1) / depth)
+            return self._finish(requests, ks, active, chains, [[] for _ in active])
         logits, rows = self.runner.step(ids, feeds)  # [B, W, vocab]
         last = to_device([len(f) - 1 for f in feeds], device)
         rows_t = to_device(rows, device)
@@ -68,6 +77,10 @@ class DraftModelProposer(Proposer):
             if step == 0 and device.type != "cuda":
                 self.last_first_pass = FirstPass(self.last_first_pass.tokens, len(active), time.perf_counter() - t0)
         proposals = torch.stack(drafted, dim=1).tolist()  # [n, depth]: the one host read
+        return self._finish(requests, ks, active, proposals, probs)
+
+    def _finish(self, requests: list[ProposalRequest], ks: list[int], active: list[int],
+                proposals: list[list[int]], probs: list[list[torch.Tensor]]) -> list[Proposal]:
         out = [Proposal([]) for _ in requests]
         for j, i in enumerate(active):
             r, k = requests[i], ks[i]

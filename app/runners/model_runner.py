@@ -104,6 +104,7 @@ class ModelRunner:
         self._row: dict[str, int] = {}
         self._ids: list[str] = []  # row -> sequence id; rows 0..n-1 are occupied
         self._lengths: list[int] = []  # row -> tokens cached
+        self._chain_graphs: dict[tuple[int, int], tuple] = {}  # (batch bucket, k) -> a greedy draft chain
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}  # (rows, length bucket) -> graph and buffers
         self._pool = torch.cuda.graph_pool_handle() if cuda and spec.cuda_graphs else None
         if self._pool is not None:
@@ -197,6 +198,70 @@ class ModelRunner:
         for seq_id, row, toks in zip(seq_ids, rows, inputs):
             self._lengths[row] += len(toks)
         return logits, rows
+
+    @torch.inference_mode()
+    def draft_chain(self, seq_ids: Sequence[str], feeds: Sequence[Sequence[int]], k: int) -> torch.Tensor:
+        """A greedy draft's whole step: feed each sequence its 1-2 tokens, then k - 1 times feed back its
+        argmax, all k passes in one CUDA graph per (batch bucket, k) (on the CPU the same code runs
+        eagerly). Returns the k proposals per sequence `[n, k]` on the device; each cache then holds
+        its feeds and the first k - 1 proposals."""
+        n = len(self._ids)
+        B = next(b for b in self.buckets if b >= n)
+        tokens = np.zeros((B, 2), dtype=np.int64)
+        base = np.zeros(B, dtype=np.int64)
+        base[:n] = self._lengths  # rows that do not draft write at and past their length: harmless
+        fed = np.ones(B, dtype=np.int64)
+        rows = [self._row[s] for s in seq_ids]
+        for row, feed in zip(rows, feeds):
+            if not 1 <= len(feed) <= 2:
+                raise ValueError(f"a draft chain feeds 1 or 2 tokens per sequence, got {len(feed)}")
+            if self._lengths[row] + len(feed) + k - 1 > self.model.max_len:
+                raise ContextOverflow(self._lengths[row] + len(feed) + k - 1, self.max_context)
+            tokens[row, :len(feed)] = feed
+            fed[row] = len(feed)
+        entry = self._chain_graphs.get((B, k))
+        if entry is None and self._pool is not None:
+            entry = self._capture_chain(B, k)
+        if entry is None:  # eagerly (CPU), attending only over the cached length
+            out = torch.zeros((B, k), dtype=torch.long, device=self.device)
+            self._chain(to_device(tokens, self.device), to_device(base, self.device), to_device(fed, self.device),
+                        out, k, kv_len=self._kv_len(int(base.max()) + 2 + k))
+        else:
+            graph, tok_buf, base_buf, fed_buf, out = entry
+            copy_to(tok_buf, tokens)
+            copy_to(base_buf, base)
+            copy_to(fed_buf, fed)
+            with torch.cuda.device(self.device):
+                graph.replay()
+        for row, feed in zip(rows, feeds):
+            self._lengths[row] += len(feed) + k - 1
+        return out[to_device(rows, self.device)]  # [n, k]
+
+    def _chain(self, tokens: torch.Tensor, base: torch.Tensor, fed: torch.Tensor, out: torch.Tensor, k: int,
+               kv_len: int | None = None) -> None:
+        """tokens `[B, 2]` (left-aligned feeds), base `[B]` (cached lengths), fed `[B]` (1 or 2) -> out `[B, k]`."""
+        B = tokens.shape[0]
+        arange = torch.arange(B, device=tokens.device)
+        logits = self.model.forward(tokens, base.unsqueeze(1) + torch.arange(2, device=tokens.device), kv_len=kv_len)
+        token = logits[arange, fed - 1].argmax(-1)  # [B]: the proposal after each row's last fed token
+        out[:, 0] = token
+        position = base + fed  # [B]: where that proposal goes
+        for j in range(1, k):
+            logits = self.model.forward(token.unsqueeze(1), position.unsqueeze(1), kv_len=kv_len)  # [B, 1, vocab]
+            token = logits[:, 0].argmax(-1)
+            out[:, j] = token
+            position = position + 1
+
+    def _capture_chain(self, B: int, k: int) -> tuple:
+        m = self.model
+        tokens = torch.zeros((B, 2), dtype=torch.long, device=self.device)
+        # capture writes near the end of every row's cache (masked for every live sequence)
+        base = torch.full((B,), m.max_len - k - 2, dtype=torch.long, device=self.device)
+        fed = torch.ones(B, dtype=torch.long, device=self.device)
+        out = torch.zeros((B, k), dtype=torch.long, device=self.device)
+        graph, _ = capture_graph(self.device, lambda: self._chain(tokens, base, fed, out, k), pool=self._pool)
+        entry = self._chain_graphs[(B, k)] = (graph, tokens, base, fed, out)
+        return entry
 
     @torch.inference_mode()
     def step_tokens(self, seq_ids: Sequence[str], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
