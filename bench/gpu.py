@@ -4,7 +4,7 @@
 
 Llama-3.1-8B / Llama-3.2-1B *shaped* models with random bf16 weights are built on the GPU.
 Random weights agree on nothing, so speculative speed is measured at controlled acceptance
-(`app.fast_decode.ControlledAcceptance`): the draft model really runs every step (its cost is
+(`bench.inproc.fast_decode.ControlledAcceptance`): the draft model really runs every step (its cost is
 real) but proposes the target's own greedy token with probability alpha, a wrong one otherwise;
 verification is real. Sequential mode runs the draft on the target's GPU; overlapped mode (when
 the host has a second GPU) runs it on cuda:1 while the target verifies on cuda:0. k (and the
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from app.fast_decode import (ControlledAcceptance, GreedyLoop, plain_generate, predicted_tokens_per_second,
+from bench.inproc.fast_decode import (ControlledAcceptance, GreedyLoop, plain_generate, predicted_tokens_per_second,
                              read_back, speculative_generate, to_device)
-from app.fast_llama import FastLlama
-from app.fast_spec_graph import SpeculativePassGraph
+from app.runners.lean_llama import FastLlama
+from bench.inproc.fast_spec_graph import SpeculativePassGraph
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -214,7 +214,7 @@ def run_spec(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n: int,
 
 
 def run_pass_graph(target: FastLlama, draft: GreedyLoop, prompt: torch.Tensor, n: int, k: int, L: int) -> dict[str, object]:
-    """Sequential speculation with each pass one CUDA graph (app/fast_spec_graph.py); L must be 0."""
+    """Sequential speculation with each pass one CUDA graph (bench/inproc/fast_spec_graph.py); L must be 0."""
     assert L == 0, "the one-graph pass is the sequential mode"
     loop = SpeculativePassGraph(target, draft, k)
     loop.generate(prompt, 32)  # warm-up
@@ -277,7 +277,7 @@ def main() -> None:
                         help="the int8 draft's one-row GEMV kernel (FastLlama int8_one_row)")
     parser.add_argument("--int8-pins", default="", metavar="JSON",
                         help="Triton int8 GEMV block configs per shape (bench.gpu_draft_step --cold-table); "
-                             "default: app/int8_gemv.py's H200 table")
+                             "default: app/runners/kernels/int8_gemv.py's H200 table")
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu.json"))
     args = parser.parse_args()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from app.fast_llama import FastLlama
+from app.runners.lean_llama import FastLlama
 from bench.gpu import DEV, random_llama, sync
 
 

@@ -9,17 +9,17 @@ overlapped drafts (Llama-3.2-1B shaped) on cuda:1; the sequential drafts run on 
 target, as bench.gpu's do. Speed is measured at controlled acceptance, as in bench.gpu: the draft
 model really runs, but proposes the target's own token with probability alpha. Branching also needs
 a runner-up rate: when a proposal is wrong, the runner-up is the target's token with probability
-beta (`app.fast_branches.ControlledBranches`). The embedded trained pair's measured rates
+beta (`bench.inproc.fast_branches.ControlledBranches`). The embedded trained pair's measured rates
 (bench/draft_agreement.py): 0.52 on code, 0.41 on prose.
 
 Rows, per alpha, all in one run on one card pair:
-- sequential, one CUDA graph per pass (app/fast_spec_graph.py), bf16 and int8 drafts: the baselines;
+- sequential, one CUDA graph per pass (bench/inproc/fast_spec_graph.py), bf16 and int8 drafts: the baselines;
 - overlapped as built (one chain; fast_decode.speculative_generate), bf16 draft;
-- overlapped with branches (app/fast_branches.py), int8 draft (--branch-weights) whose R-row step attends in
+- overlapped with branches (bench/inproc/fast_branches.py), int8 draft (--branch-weights) whose R-row step attends in
   place (--decode-attention), R cache rows (1 main + R - 1 branches), at each beta:
   as built (a pass's forks as one graph replay), with the eager fork, and (--both-orders) with the
   draft's work queued before the target's verify;
-- the same branches with the verdict on the device (app/fast_branch_graph.py), same k and R.
+- the same branches with the verdict on the device (bench/inproc/fast_branch_graph.py), same k and R.
 k and the overlap depth are chosen from this run's measured step costs by the loop's Markov chain
 (bench/overlap_bound.py; for branches also R, the loop as built with its draft step priced at its R-row
 cost). Each row's
@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch
 
-from app.fast_branch_graph import BranchingPassGraphs
-from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
-from app.fast_decode import ControlledAcceptance, GreedyLoop, SpecStats, plain_generate, speculative_generate
-from app.fast_llama import FastLlama
-from app.fast_spec_graph import SpeculativePassGraph
+from bench.inproc.fast_branch_graph import BranchingPassGraphs
+from bench.inproc.fast_branches import BranchingDraft, ControlledBranches, branching_generate
+from bench.inproc.fast_decode import ControlledAcceptance, GreedyLoop, SpecStats, plain_generate, speculative_generate
+from app.runners.lean_llama import FastLlama
+from bench.inproc.fast_spec_graph import SpeculativePassGraph
 from bench.gpu import BusyTimer, loop_step_time, random_llama, step_time, timed
 from bench.overlap_bound import PassCosts, overlapped_ms_per_token, sequential_ms_per_token
 
@@ -117,9 +117,9 @@ def main() -> None:
     parser.add_argument("--both-orders", action="store_true",
                         help="also run each branching row with the draft's work queued before the target's verify")
     parser.add_argument("--branch-weights", choices=("bf16", "int8"), default="int8",
-                        help="weights of the branching draft (int8: the 3-8 row Triton GEMV of app/int8_gemv.py)")
+                        help="weights of the branching draft (int8: the 3-8 row Triton GEMV of app/runners/kernels/int8_gemv.py)")
     parser.add_argument("--decode-attention", choices=("matmul", "triton"), default="triton",
-                        help="the branching draft's R-row step attends in place (triton, app/rows_attention.py) "
+                        help="the branching draft's R-row step attends in place (triton, app/runners/kernels/rows_attention.py) "
                              "or through batched matmuls over copied caches (matmul)")
     parser.add_argument("--device-verdict-only", action="store_true",
                         help="time only the device-verdict branching loop (skip the host-verdict variants)")
@@ -264,7 +264,7 @@ def main() -> None:
                     rows[-1]["busy"] = busy_per_pass(ft, drafts[R], go)
                     log(f"  per pass: {rows[-1]['busy']}")
                 drafts[R].fork_graph = True
-                # the same k and R with the verdict on the device (app/fast_branch_graph.py): the host only
+                # the same k and R with the verdict on the device (bench/inproc/fast_branch_graph.py): the host only
                 # queues graph replays; its draft runs L steps every pass, L <= k + 1
                 # (as built: its small control ops compiled into a few kernels; and without compiling them)
                 L_dev = min(L, k + 1)

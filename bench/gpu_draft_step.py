@@ -8,7 +8,7 @@
 Why: with its GEMVs tuned at start (Inductor's coordinate descent for one row, `--one-row inductor`;
 Triton's autotuning without pins), the int8 draft's one-token step took 0.84, 0.92 and 1.09 ms in
 three `bench.gpu` runs minutes apart on one H200 while its two-token step held at ~1.28 ms, and the
-sequential speedups followed the one-token step. app/int8_gemv.py therefore pins block configs.
+sequential speedups followed the one-token step. app/runners/kernels/int8_gemv.py therefore pins block configs.
 Each trial here is a fresh process with empty Inductor and Triton caches (as a new host starts), so
 the spread across trials is what a start's tuning leaves to chance.
 
@@ -18,7 +18,7 @@ shape's one-row GEMV as that start compiled it (CUDA-graph timing of the same we
 again, so L2-hot: `bench.gpu_int8_gemv.micros`). `--profile`: the GPU time of one eager forward by
 kernel, which is where the start-to-start spread shows. `--cold-table`: every candidate Triton block
 config per shape and row count, timed with the weights cycled through enough copies to outgrow L2
-(as a decode step reads them), the best written as pins (app/int8_gemv.py's defaults came from it).
+(as a decode step reads them), the best written as pins (app/runners/kernels/int8_gemv.py's defaults came from it).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def cold_micros(n: int, k: int, m: int, config: tuple[int, int, int], min_bytes:
     """GPU microseconds per call of the Triton int8 GEMV with `config`, each call on another copy of the
     weights (enough copies to outgrow L2, cycled in one CUDA graph): the weights come from HBM, as in
     a decode step, where each matrix is read once per step."""
-    from app import int8_gemv
+    from app.runners.kernels import int8_gemv
     from bench.gpu_int8_gemv import micros
 
     copies = max(2, -(-min_bytes // (n * k)))
@@ -110,12 +110,12 @@ def kernel_profile(fd, steps: int = 20, rows: int = 1) -> dict[str, float]:
 def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
     """The 1B draft's one-token forward over R rows (as the branching draft steps its rows), per
     variant (bf16; int8 with the few-row kernel `int8-triton` or Inductor's `int8-inductor`; a `:in-place`
-    suffix reads the caches in place for 2+ rows, app/rows_attention.py; `:no-split-k` launches the unsplit
-    configs where split-K ones are pinned, app/int8_gemv.py; `:unaligned` pins the split-K configs without
+    suffix reads the caches in place for 2+ rows, app/runners/kernels/rows_attention.py; `:no-split-k` launches the unsplit
+    configs where split-K ones are pinned, app/runners/kernels/int8_gemv.py; `:unaligned` pins the split-K configs without
     the K offsets' alignment, H200_1B_SPLIT_K_UNALIGNED): one CUDA graph's time per forward and its
     kernels' GPU time by name (eager, torch.profiler)."""
-    from app import int8_gemv
-    from app.fast_llama import FastLlama
+    from app.runners.kernels import int8_gemv
+    from app.runners.lean_llama import FastLlama
     from bench.gpu import random_llama
     from bench.gpu_int8_gemv import micros
 
@@ -150,9 +150,9 @@ def rows_breakdown(rows: list[int], variants: list[str]) -> list[dict]:
 
 
 def child(one_row: str, profile: bool = False) -> dict:
-    from app import int8_gemv
-    from app.fast_decode import ControlledAcceptance, GreedyLoop
-    from app.fast_llama import FastLlama, quantize_int8
+    from app.runners.kernels import int8_gemv
+    from bench.inproc.fast_decode import ControlledAcceptance, GreedyLoop
+    from app.runners.lean_llama import FastLlama, quantize_int8
     from bench.gpu import loop_step_time, pair_step_extra, random_llama
     from bench.gpu_int8_gemv import micros
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import ray
-from app.fast_decode import read_back, to_device
+from bench.inproc.fast_decode import read_back, to_device
 from ray.dag import InputNode
 
 BATCH, K = 32, 8

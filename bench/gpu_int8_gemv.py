@@ -3,8 +3,8 @@
     python3 -m bench.gpu_int8_gemv [--reps 200]
 
 Per shape and row count M: bf16 cuBLAS (`x @ w.T`), Inductor's compiled int8 form
-(`app.fast_llama._int8_gemv`, coordinate descent tuning on, as FastLlama compiles it) and the
-Triton kernel of `app/int8_gemv.py`; microseconds per call (CUDA events over `reps` calls, after
+(`app.runners.lean_llama._int8_gemv`, coordinate descent tuning on, as FastLlama compiles it) and the
+Triton kernel of `app/runners/kernels/int8_gemv.py`; microseconds per call (CUDA events over `reps` calls, after
 warm-up) and the fraction of the int8 weight-read roofline. Checks each int8 result against
 `(x @ q.to(bf16).T) * scale`.
 """
@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from app.fast_llama import _int8_gemv, _int8_matmul, _own_code, quantize_int8
-from app.int8_gemv import int8_gemv
+from app.runners.lean_llama import _int8_gemv, _int8_matmul, _own_code, quantize_int8
+from app.runners.kernels.int8_gemv import int8_gemv
 from bench.gpu import copy_bandwidth
 
 SHAPES = {"wqkv": (3072, 2048), "wo": (2048, 2048), "w_gate_up": (16384, 2048), "w_down": (2048, 8192),

@@ -9,8 +9,8 @@
         split-K pins against the current defaults (plus PATH's pins)
 
 Why: the 1B draft's small matrices give the few-row kernel fewer programs than an H200 has SMs
-(app/int8_gemv.py's docstring). Per 1B weight shape and row count M this times the shape's pinned
-unsplit config (app/int8_gemv.py H200_1B_COLD) and every split-K candidate in both forms ("atomic":
+(app/runners/kernels/int8_gemv.py's docstring). Per 1B weight shape and row count M this times the shape's pinned
+unsplit config (app/runners/kernels/int8_gemv.py H200_1B_COLD) and every split-K candidate in both forms ("atomic":
 one kernel, fp32 atomics and a last-program epilogue; "reduce": partials, then a second kernel; and for
 3+ rows "atomic-swap", the dot turned round so the weights are its first, 64+ wide operand), each
 with the weights cycled through enough copies to outgrow L2, as a decode step streams them
@@ -118,8 +118,8 @@ class ColdWeights:
     def check(self, m: int, config: tuple) -> float:
         """Relative max error of the config's result on copy 0, over three launches (the atomic form's
         workspace must be zero again after each)."""
-        from app import int8_gemv
-        from app.fast_llama import _int8_matmul
+        from app.runners.kernels import int8_gemv
+        from app.runners.lean_llama import _int8_matmul
 
         x = torch.randn(m, self.k, device="cuda", dtype=torch.bfloat16)
         ref = _int8_matmul(x, self.qs[0], self.scale).float()
@@ -131,7 +131,7 @@ class ColdWeights:
         return err
 
     def micros(self, m: int, config: tuple) -> float:
-        from app import int8_gemv
+        from app.runners.kernels import int8_gemv
 
         x = torch.randn(m, self.k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty((m, self.n), device="cuda", dtype=torch.bfloat16)
@@ -146,9 +146,9 @@ class ColdWeights:
 
 
 def before_pins(spec: str) -> dict:
-    """The whole pin table of a "before": "unaligned" (app/int8_gemv.py's H200_1B_COLD and its split-K pins
+    """The whole pin table of a "before": "unaligned" (app/runners/kernels/int8_gemv.py's H200_1B_COLD and its split-K pins
     without the K offsets' alignment), else H200_1B_COLD plus a pins file's configs."""
-    from app import int8_gemv
+    from app.runners.kernels import int8_gemv
 
     if spec == "unaligned":
         return {**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K_UNALIGNED}
@@ -166,16 +166,16 @@ def read_pins(paths: str) -> dict:
 
 def loop_steps(rows: list[int], reps: int = 5, variants: list[tuple[str, dict | None]] | None = None) -> list[dict]:
     """The 1B int8 draft's step as the loops run it, split-K pins off then on: the branching draft's R-row
-    step (app/fast_branches.BranchingDraft on a model with exactly R cache rows, in-place attention, as
+    step (bench/inproc/fast_branches.BranchingDraft on a model with exactly R cache rows, in-place attention, as
     bench.gpu_branches runs it; `branch_step_time`) and, for R 1, the one-row greedy loop's step
     (`bench.gpu.loop_step_time`). Median of `reps` timings of 50 steps each, in ms. `variants`: (label, the
     whole pin table, or None for the defaults with split-K off) per timing instead of split-K off / on."""
     import statistics
 
-    from app import int8_gemv
-    from app.fast_branches import BranchingDraft, ControlledBranches
-    from app.fast_decode import ControlledAcceptance, GreedyLoop
-    from app.fast_llama import FastLlama
+    from app.runners.kernels import int8_gemv
+    from bench.inproc.fast_branches import BranchingDraft, ControlledBranches
+    from bench.inproc.fast_decode import ControlledAcceptance, GreedyLoop
+    from app.runners.lean_llama import FastLlama
     from bench.gpu import loop_step_time, random_llama
     from bench.gpu_branches import VOCAB, branch_step_time
 
@@ -222,7 +222,7 @@ def search(shapes: list[str], rows: list[int], full_rows: set[int], top: int, js
     Returns the pins; writes every timing to json_path after each row."""
     import time
 
-    from app import int8_gemv
+    from app.runners.kernels import int8_gemv
 
     t0, table, pins = time.perf_counter(), [], []
     for name in shapes:
@@ -275,7 +275,7 @@ def search(shapes: list[str], rows: list[int], full_rows: set[int], top: int, js
 
 
 def main() -> None:
-    from app.int8_gemv import H200_1B_COLD
+    from app.runners.kernels.int8_gemv import H200_1B_COLD
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,4,5,6")
@@ -300,7 +300,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), flush=True)
     if args.search:
         if args.pins:  # "current" is then the defaults plus these pins
-            from app import int8_gemv
+            from app.runners.kernels import int8_gemv
             int8_gemv.pin(read_pins(args.pins))
         pins = search(args.shapes.split(","), [int(r) for r in args.rows.split(",")],
                           {int(r) for r in args.full_rows.split(",")}, args.top, args.json, args.deadline_s,
@@ -313,7 +313,7 @@ def main() -> None:
     if args.loop_steps:
         variants = None
         if args.before:
-            from app import int8_gemv
+            from app.runners.kernels import int8_gemv
             variants = [(f"before ({args.before})", before_pins(args.before)), ("after (defaults)", dict(int8_gemv.PINNED))]
             if args.pins:
                 variants.append((f"after (defaults + {args.pins})", {**int8_gemv.PINNED, **read_pins(args.pins)}))

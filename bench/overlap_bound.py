@@ -1,6 +1,6 @@
 """What overlapped drafting can gain over sequential speculation, computed exactly from measured step costs.
 
-`app.fast_decode.speculative_generate`'s overlapped loop is a Markov chain over one number: how
+`bench.inproc.fast_decode.speculative_generate`'s overlapped loop is a Markov chain over one number: how
 many drafted tokens are ready when a target pass starts. This module solves that chain exactly
 (its stationary distribution) instead of sampling it as `predicted_tokens_per_second` does, and
 asks what-if questions of the same chain that the implemented loop does not do:
@@ -66,7 +66,7 @@ def overlapped_ms_per_token(alpha: float, k: int, overlap_steps: int, costs: Pas
 
     `branch_rows=None`: the what-if, a branch from the right correction is there with
     probability `branch_hit` after any rejection and is as deep as the chain would have been.
-    `branch_rows=B`: the loop as built (app/fast_branches.branching_generate): at most B branches a
+    `branch_rows=B`: the loop as built (bench/inproc/fast_branches.branching_generate): at most B branches a
     pass, one per judged index i < min(p + 1, ready) from the pass's start, plus the bonus index p
     after the first step when the chain held only p; an adopted branch holds the steps it drafted
     (one fewer for the late bonus branch), not the chain's depth."""

@@ -187,8 +187,8 @@ def in_process_plain(prompt_tokens: int, new_tokens: int) -> dict:
     """bench.gpu's plain figure: an 8B FastLlama greedy loop, one graph replay per token, prefill included."""
     import torch
 
-    from app.fast_decode import GreedyLoop, plain_generate
-    from app.fast_llama import FastLlama
+    from bench.inproc.fast_decode import GreedyLoop, plain_generate
+    from app.runners.lean_llama import FastLlama
     from bench.gpu import copy_bandwidth, random_llama, timed, weight_bytes
 
     bw = copy_bandwidth()

@@ -1,7 +1,7 @@
 """Loading a Llama-family checkpoint (Llama 3.x, Qwen2.5) the way a user downloads it.
 
 transformers reads the checkpoint directory (config, sharded safetensors, tokenizer); the lean
-forward (app/fast_llama.py) then takes the weights and the HF module is dropped. `random_weights`
+forward (app/runners/lean_llama.py) then takes the weights and the HF module is dropped. `random_weights`
 builds the architecture from the directory's config.json with random weights on the device
 instead (benchmarks of 8B-shaped models on a host without a model hub).
 """

@@ -2,7 +2,7 @@
 
 The engine holds sequence ids and token ids, never cache tensors. The runner gives each
 sequence a row of a static cache `[layers, max_seqs, max_len, kv_heads, head_dim]`
-(app/fast_llama.py) and keeps how many tokens each row holds:
+(app/runners/lean_llama.py) and keeps how many tokens each row holds:
 
 - `add(seq)` takes the next free row; `remove(seq)` frees it, moving the last occupied row
   into the hole (a copy of that row's cached tokens only), so the occupied rows are always
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from app import rows_attention
+from app.runners.kernels import rows_attention
 from app.config import MAX_SPECULATIVE_TOKENS, ModelSpec
-from app.fast_llama import FastLlama, capture_graph
+from app.runners.lean_llama import FastLlama, capture_graph
 from app.runners.loading import eos_ids, load_model, load_tokenizer
 from app.runners.transfer import copy_to, to_device
 

@@ -16,7 +16,7 @@ def load_fast_pair(draft_device: str, draft_rows: int = 1, max_len: int = MAX_LE
     `draft_rows` cache rows, the prompt's ids `[1, P]` on cuda:0), float32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app.fast_llama import FastLlama
+    from app.runners.lean_llama import FastLlama
 
     load = lambda p, d: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(d).eval()  # noqa: E731
     tok = AutoTokenizer.from_pretrained("models/target")

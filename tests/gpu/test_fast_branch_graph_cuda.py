@@ -1,4 +1,4 @@
-"""On CUDA: branching with the verdict on the device (app/fast_branch_graph.py), each side's pass
+"""On CUDA: branching with the verdict on the device (bench/inproc/fast_branch_graph.py), each side's pass
 captured as graphs, the draft on a second GPU (or beside the target on one): plain greedy output, and a
 controlled runner-up that is always right adopted at every branched rejection. The embedded pair
 in float32. Skipped without CUDA."""
@@ -15,9 +15,9 @@ N_NEW = 64
 
 
 def test_device_verdict_branching_equals_plain_on_cuda(fast_pair) -> None:
-    from app.fast_branch_graph import BranchingPassGraphs
-    from app.fast_branches import BranchingDraft, ControlledBranches
-    from app.fast_decode import GreedyLoop, plain_generate
+    from bench.inproc.fast_branch_graph import BranchingPassGraphs
+    from bench.inproc.fast_branches import BranchingDraft, ControlledBranches
+    from bench.inproc.fast_decode import GreedyLoop, plain_generate
 
     draft_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     target, draft_model, prompt = fast_pair(draft_device, draft_rows=7)

@@ -1,4 +1,4 @@
-"""On CUDA: branching overlapped drafting (app/fast_branches.py) with its batched step captured as
+"""On CUDA: branching overlapped drafting (bench/inproc/fast_branches.py) with its batched step captured as
 one graph gives plain greedy output, with the draft on a second GPU when there is one; a controlled
 runner-up that is always right is adopted at every branched rejection. The embedded pair in
 float32. Skipped without CUDA."""
@@ -15,8 +15,8 @@ N_NEW = 64
 
 
 def test_branching_equals_plain_on_cuda(fast_pair) -> None:
-    from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
-    from app.fast_decode import GreedyLoop, plain_generate
+    from bench.inproc.fast_branches import BranchingDraft, ControlledBranches, branching_generate
+    from bench.inproc.fast_decode import GreedyLoop, plain_generate
 
     draft_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     # more cache rows than the draft uses: the fork graph works on the model's first 6

@@ -15,7 +15,7 @@ N_NEW = 64
 
 @pytest.mark.parametrize("overlap_steps", [0, 3])
 def test_speculative_equals_plain_on_cuda(overlap_steps: int, fast_pair) -> None:
-    from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
+    from bench.inproc.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
 
     draft_device = "cuda:1" if overlap_steps and torch.cuda.device_count() > 1 else "cuda:0"
     target, draft_model, prompt = fast_pair(draft_device)
@@ -35,9 +35,9 @@ def test_speculative_equals_plain_on_cuda(overlap_steps: int, fast_pair) -> None
 
 
 def test_one_graph_pass_equals_plain_on_cuda(fast_pair) -> None:
-    """app/fast_spec_graph.py: draft steps, verify and the verdict captured as one graph per pass."""
-    from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
-    from app.fast_spec_graph import SpeculativePassGraph
+    """bench/inproc/fast_spec_graph.py: draft steps, verify and the verdict captured as one graph per pass."""
+    from bench.inproc.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
+    from bench.inproc.fast_spec_graph import SpeculativePassGraph
 
     target, draft_model, prompt = fast_pair("cuda:0")
     plain = plain_generate(GreedyLoop(target), prompt, N_NEW + 16)
@@ -62,8 +62,8 @@ def test_int8_draft_loop_in_a_graph_equals_its_eager_steps() -> None:
     tokens its own eager forward picks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.fast_decode import GreedyLoop
-    from app.fast_llama import FastLlama, Int8Weight
+    from bench.inproc.fast_decode import GreedyLoop
+    from app.runners.lean_llama import FastLlama, Int8Weight
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)

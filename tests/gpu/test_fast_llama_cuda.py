@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
 def test_graph_replay_equals_eager() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.fast_llama import FastLlama
+    from app.runners.lean_llama import FastLlama
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
@@ -42,8 +42,8 @@ def test_graph_replay_equals_eager() -> None:
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("n,k", [(40, 96), (3072, 2048), (2048, 8192), (33, 300)])
 def test_triton_int8_gemv_equals_the_dequantised_matmul(m: int, n: int, k: int) -> None:
-    from app.fast_llama import _int8_matmul, quantize_int8
-    from app.int8_gemv import int8_gemv
+    from app.runners.lean_llama import _int8_matmul, quantize_int8
+    from app.runners.kernels.int8_gemv import int8_gemv
 
     torch.manual_seed(0)
     qw = quantize_int8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
@@ -55,10 +55,10 @@ def test_triton_int8_gemv_equals_the_dequantised_matmul(m: int, n: int, k: int) 
 
 
 def test_every_pinned_block_config_gives_the_dequantised_matmul() -> None:
-    """app/int8_gemv.py launches the pinned 1B shapes with fixed block configs (no autotuning): each must
+    """app/runners/kernels/int8_gemv.py launches the pinned 1B shapes with fixed block configs (no autotuning): each must
     still compute the matmul (a config only changes the speed), and an unpinned shape still autotunes."""
-    from app.fast_llama import _int8_matmul, quantize_int8
-    from app.int8_gemv import H200_1B_COLD, H200_1B_SPLIT_K, PINNED, launch
+    from app.runners.lean_llama import _int8_matmul, quantize_int8
+    from app.runners.kernels.int8_gemv import H200_1B_COLD, H200_1B_SPLIT_K, PINNED, launch
 
     # split-K pins take over some shapes (tests/gpu/test_int8_split_k_cuda.py); the unsplit ones stay the fallback
     assert {**H200_1B_COLD, **H200_1B_SPLIT_K}.items() <= PINNED.items()
@@ -78,8 +78,8 @@ def test_every_pinned_block_config_gives_the_dequantised_matmul() -> None:
 def test_every_few_row_block_config_gives_the_dequantised_matmul(m: int) -> None:
     """The 3-8 row kernel has two bodies (a reduction for thin blocks, tl.dot on 16 padded rows for
     BLOCK_N >= 16): every candidate config, as a pin would launch it, must compute the matmul."""
-    from app.fast_llama import _int8_matmul, quantize_int8
-    from app.int8_gemv import launch
+    from app.runners.lean_llama import _int8_matmul, quantize_int8
+    from app.runners.kernels.int8_gemv import launch
     from bench.gpu_draft_step import ROWS_CANDIDATES
 
     torch.manual_seed(0)
@@ -97,7 +97,7 @@ def test_every_few_row_block_config_gives_the_dequantised_matmul(m: int) -> None
 def test_graphed_prefill_equals_eager_prefill(P: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.fast_llama import FastLlama
+    from app.runners.lean_llama import FastLlama
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
@@ -119,10 +119,10 @@ def test_graphed_prefill_equals_eager_prefill(P: int) -> None:
 
 @pytest.mark.parametrize("D,G", [(64, 4), (128, 4), (64, 1)])
 def test_in_place_decode_attention_equals_the_masked_softmax(D: int, G: int) -> None:
-    """app/rows_attention.py: one token per sequence against a slice of a position-major cache with more
+    """app/runners/kernels/rows_attention.py: one token per sequence against a slice of a position-major cache with more
     rows than in use, each sequence at its own position (0, a block edge, the last slot)."""
-    from app.fast_llama import _sdpa_attention
-    from app.rows_attention import decode_attention
+    from app.runners.lean_llama import _sdpa_attention
+    from app.runners.kernels.rows_attention import decode_attention
 
     torch.manual_seed(0)
     B, KV, ML = 5, 8, 300
@@ -141,7 +141,7 @@ def test_a_few_rows_step_alike_with_in_place_attention() -> None:
     """FastLlama over 5 rows at different positions: decode_attention='triton' gives the matmul path's logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.fast_llama import FastLlama
+    from app.runners.lean_llama import FastLlama
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2)

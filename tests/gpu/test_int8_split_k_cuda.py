@@ -1,4 +1,4 @@
-"""On CUDA: the split-K form of the int8 few-row GEMV (app/int8_gemv.py) computes `(x @ q.to(bf16).T) * scale`
+"""On CUDA: the split-K form of the int8 few-row GEMV (app/runners/kernels/int8_gemv.py) computes `(x @ q.to(bf16).T) * scale`
 for 1-8 rows on the Llama-3.2-1B shapes, in each form, launch after launch (the atomic form's workspace
 must be zero again after each) and inside a replayed CUDA graph. Skipped without CUDA."""
 
@@ -25,8 +25,8 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("form", ["atomic", "reduce", "atomic-swap", "atomic-aligned", "atomic-aligned-ns2", "fma"])
 @pytest.mark.parametrize("n,k", SHAPES_1B + [(40, 1024)])
 def test_int8_split_k_equals_the_dequantised_matmul(n: int, k: int, form: str) -> None:
-    from app.fast_llama import _int8_matmul, quantize_int8
-    from app.int8_gemv import launch
+    from app.runners.lean_llama import _int8_matmul, quantize_int8
+    from app.runners.kernels.int8_gemv import launch
 
     torch.manual_seed(0)
     qw = quantize_int8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
@@ -43,8 +43,8 @@ def test_int8_split_k_equals_the_dequantised_matmul(n: int, k: int, form: str) -
 @pytest.mark.parametrize("form", ["atomic", "reduce", "atomic-aligned", "fma"])
 def test_int8_split_k_in_a_cuda_graph(form: str) -> None:
     """Captured after one eager launch (which makes the atomic form's workspace), replayed on new inputs."""
-    from app.fast_llama import _int8_matmul, quantize_int8
-    from app.int8_gemv import launch
+    from app.runners.lean_llama import _int8_matmul, quantize_int8
+    from app.runners.kernels.int8_gemv import launch
 
     torch.manual_seed(0)
     n, k, m = 2048, 8192, 5
@@ -67,8 +67,8 @@ def test_int8_split_k_in_a_cuda_graph(form: str) -> None:
 
 def test_int8_split_k_pins_and_the_switch() -> None:
     """Every pinned split-K config gives the matmul; use_split_k(False) launches the unsplit pin instead."""
-    from app import int8_gemv
-    from app.fast_llama import _int8_matmul, quantize_int8
+    from app.runners.kernels import int8_gemv
+    from app.runners.lean_llama import _int8_matmul, quantize_int8
 
     assert {**int8_gemv.H200_1B_COLD, **int8_gemv.H200_1B_SPLIT_K}.items() <= int8_gemv.PINNED.items()
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def test_int8_split_k_pins_and_the_switch() -> None:
 
 
 def test_int8_split_k_refuses_a_config_that_does_not_divide_k() -> None:
-    from app.int8_gemv import launch
+    from app.runners.kernels.int8_gemv import launch
 
     x = torch.randn(2, 1000, device="cuda", dtype=torch.bfloat16)
     q = torch.zeros((64, 1000), device="cuda", dtype=torch.int8)

@@ -1,4 +1,4 @@
-"""Branching with the verdict on the device (app/fast_branch_graph.py), run eagerly on the CPU with
+"""Branching with the verdict on the device (bench/inproc/fast_branch_graph.py), run eagerly on the CPU with
 the embedded pair: the same tensor ops the CUDA graphs replay.
 
 Whatever the rows propose, the output must be the target's plain greedy output; the device
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.fast_branch_graph import BranchingPassGraphs
-from app.fast_branches import BranchingDraft, ControlledBranches
-from app.fast_decode import GreedyLoop, plain_generate
-from app.fast_llama import FastLlama
+from bench.inproc.fast_branch_graph import BranchingPassGraphs
+from bench.inproc.fast_branches import BranchingDraft, ControlledBranches
+from bench.inproc.fast_decode import GreedyLoop, plain_generate
+from app.runners.lean_llama import FastLlama
 
 N_NEW = 40
 MAX_LEN = 160

@@ -1,4 +1,4 @@
-"""Branching overlapped drafting (app/fast_branches.py), run eagerly on the CPU with the embedded pair.
+"""Branching overlapped drafting (bench/inproc/fast_branches.py), run eagerly on the CPU with the embedded pair.
 
 Whatever the branches propose, the output must be the target's plain greedy output. The statistics
 must say what happened: with the pair's own top-2 some rejections are caught by a branch; with
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.fast_branches import BranchingDraft, ControlledBranches, branching_generate
-from app.fast_decode import GreedyLoop, plain_generate, speculative_generate
-from app.fast_llama import FastLlama
+from bench.inproc.fast_branches import BranchingDraft, ControlledBranches, branching_generate
+from bench.inproc.fast_decode import GreedyLoop, plain_generate, speculative_generate
+from app.runners.lean_llama import FastLlama
 
 N_NEW = 40
 MAX_LEN = 160

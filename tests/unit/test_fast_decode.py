@@ -1,4 +1,4 @@
-"""The fast path's decoding loops (app/fast_decode.py), run eagerly on the CPU with the embedded pair.
+"""The fast path's decoding loops (bench/inproc/fast_decode.py), run eagerly on the CPU with the embedded pair.
 
 Plain decoding through the on-device loop must equal HF greedy decoding; speculative decoding,
 sequential and overlapped, must emit exactly the plain output whatever the draft proposes (its own
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
-from app.fast_llama import FastLlama
-from app.fast_spec_graph import SpeculativePassGraph
+from bench.inproc.fast_decode import ControlledAcceptance, GreedyLoop, plain_generate, speculative_generate
+from app.runners.lean_llama import FastLlama
+from bench.inproc.fast_spec_graph import SpeculativePassGraph
 
 N_NEW = 40
 MAX_LEN = 160
@@ -98,7 +98,7 @@ def test_bad_arguments_are_refused(fast_hf_pair, code_prompt) -> None:
         speculative_generate(target, draft, code_prompt, N_NEW, 3)
 
 
-# ---- the one-graph pass (app/fast_spec_graph.py): the same algorithm with the verdict on the device ----
+# ---- the one-graph pass (bench/inproc/fast_spec_graph.py): the same algorithm with the verdict on the device ----
 
 def _pass_graph(fast_hf_pair, k: int, propose=None, max_len: int = MAX_LEN) -> SpeculativePassGraph:
     target = FastLlama(fast_hf_pair[0], max_len=max_len)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.fast_llama import FastLlama, Int8Weight, _int8_gemv, _int8_matmul, quantize_int8
+from app.runners.lean_llama import FastLlama, Int8Weight, _int8_gemv, _int8_matmul, quantize_int8
 
 TOL = 1e-4  # float32 on the CPU: same math, different op order
 

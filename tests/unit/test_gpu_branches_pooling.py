@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.fast_decode import SpecStats
+from bench.inproc.fast_decode import SpecStats
 from bench.gpu_branches import pooled
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.fast_decode import predicted_tokens_per_second
+from bench.inproc.fast_decode import predicted_tokens_per_second
 from bench.overlap_bound import (PassCosts, accepted_distribution, best_overlapped, overlapped_ms_per_token,
                                  sequential_ms_per_token)
 
@@ -65,7 +65,7 @@ def test_branches_help_only_as_far_as_their_rows_are_paid_for() -> None:
 
 def _sampled_branching_ms_per_token(alpha: float, beta: float, k: int, steps_cap: int, rows: int,
                                     n_passes: int = 200_000, seed: int = 1) -> float:
-    """app/fast_branches.branching_generate's rules, sampled pass by pass on the costs above: which
+    """bench/inproc/fast_branches.branching_generate's rules, sampled pass by pass on the costs above: which
     judged indices get a branch row (from the start, or the bonus after the first step), what an
     adopted branch holds (the steps it drafted), and that the draft's steps bound the pass."""
     import random

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from app.fast_llama import FastLlama, capture_graph
+from app.runners.lean_llama import FastLlama, capture_graph
 
 
 class Proposer(Protocol):
@@ -195,7 +195,7 @@ class SpecStats:
     guesses_right: int = 0
     restarts: int = 0  # times the draft's chain was discarded
     draft_steps: int = 0
-    forks: int = 0  # branching: branch rows started (app/fast_branches.py)
+    forks: int = 0  # branching: branch rows started (bench/inproc/fast_branches.py)
     branch_tries: int = 0  # rejections (or wrong bonus guesses) at a position that had a branch
     branch_hits: int = 0  # ... whose branch started from the correction: adopted instead of a restart
     widths: dict[int, int] = field(default_factory=dict)  # proposals per pass -> passes

@@ -1,6 +1,6 @@
 """Branching overlapped drafting with the verdict on the device: the host never waits inside the loop.
 
-`branching_generate` (app/fast_branches.py) reads every pass's verdict and the draft's rows back
+`branching_generate` (bench/inproc/fast_branches.py) reads every pass's verdict and the draft's rows back
 to the host, decides there which row continues and where the next branches start, and only then
 queues the next verify and the next draft steps. Both GPUs idle through that turn-around: on a
 2x H200 host ~0.4 ms of a ~5.3 ms pass (`bench.gpu_branches`). Here the same
@@ -35,9 +35,9 @@ import math
 
 import torch
 
-from app.fast_branches import BranchingDraft
-from app.fast_decode import SpecStats
-from app.fast_llama import FastLlama, capture_graph
+from bench.inproc.fast_branches import BranchingDraft
+from bench.inproc.fast_decode import SpecStats
+from app.runners.lean_llama import FastLlama, capture_graph
 
 # control vector sent to the draft's GPU each pass: restart, token, n, main, lo | pre-fork [R] | post-fork [R] | fork position [R]
 _HEAD = 5
@@ -64,7 +64,7 @@ class BranchingPassGraphs:
         self.target, self.draft, self.k, self.steps = target, draft, k, steps
         self.td, self.dd = target.device, draft.device
         # both on one GPU: it runs, with each side's pass on its own stream, but there is nothing to overlap
-        # onto; the sequential pass (app/fast_spec_graph.py) is the mode for one GPU
+        # onto; the sequential pass (bench/inproc/fast_spec_graph.py) is the mode for one GPU
         self._one_gpu = self.td.type == "cuda" and self.td == self.dd
         R, W, ML = draft.rows, k + 1, draft.max_len
         self.rows, self.width, self.span = R, W, 2 * k + 4

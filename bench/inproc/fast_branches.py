@@ -22,7 +22,7 @@ more CUDA graph replay, fed by one small copy of their arguments. The runner-up 
 device. The rows step together as one batch in one CUDA graph. The bf16 1B draft reads its
 weights once for all rows: on an H200 a forward over 6-8 rows costs ~0.2 ms more than one row
 (`python3 -m bench.gpu_draft_step --rows-breakdown 1,6,8 --variants bf16`). An int8 draft needs
-app/int8_gemv.py's few-row kernels for that (Inductor's int8 form costs 3x at 8 rows).
+app/runners/kernels/int8_gemv.py's few-row kernels for that (Inductor's int8 form costs 3x at 8 rows).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Protocol
 
 import torch
 
-from app.fast_decode import SpecStats, read_back, to_device, verify_host_ids
-from app.fast_llama import FastLlama, capture_graph
+from bench.inproc.fast_decode import SpecStats, read_back, to_device, verify_host_ids
+from app.runners.lean_llama import FastLlama, capture_graph
 
 FORK_SPAN = 32  # positions a graph-replayed fork copies from the main row (wider: the eager path)
 

@@ -4,11 +4,11 @@ Why: Inductor turns gpt-fast's `(x @ q.to(bf16).T) * scale` into a fused int8 GE
 but not for two: the written-out reduction it compiles for two rows measured 0.5-0.6 ms more per
 1B draft step than a one-row step on an H200 (bench/gpu.py `t_draft_pair_extra_ms`), against
 0.15 ms for bf16 cuBLAS. A draft feeds two tokens after every fully accepted pass (the last
-proposal and the target's bonus token), and the one-graph pass (app/fast_spec_graph.py) feeds two
+proposal and the target's bonus token), and the one-graph pass (bench/inproc/fast_spec_graph.py) feeds two
 every pass. Here each program loads a `[BLOCK_N, BLOCK_K]` tile of int8 weights once and
 multiplies it into both rows, so two rows read the weights once, like one.
 
-Three to MAX_ROWS rows (the branching draft steps one row per branch, app/fast_branches.py) take a
+Three to MAX_ROWS rows (the branching draft steps one row per branch, bench/inproc/fast_branches.py) take a
 second kernel: the same weight stripe per program, multiplied into all rows as a reduction (thin
 blocks) or with tl.dot on 16 padded rows (BLOCK_N >= 16). Inductor's written-out form makes an int8
 draft step with 8 rows 3x its one-row cost (`python3 -m bench.gpu_draft_step --rows-breakdown 1,8

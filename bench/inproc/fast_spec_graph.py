@@ -1,6 +1,6 @@
 """Sequential speculative decoding with the whole pass on the device: one CUDA graph per pass.
 
-`speculative_generate` (app/fast_decode.py) reads every pass's verdict back to the host and
+`speculative_generate` (bench/inproc/fast_decode.py) reads every pass's verdict back to the host and
 decides there what the draft feeds next. The GPU idles through that turn-around: on a 2x H200
 host it measured 0.7-0.9 ms per pass (wall minus draft and target busy time), about a tenth of a
 sequential pass at alpha 0.7. Here the verdict is computed on the device as well, so a pass is
@@ -19,7 +19,7 @@ position and later passes overwrite them. The host replays passes in rounds and 
 per round; a pass emits at most k+1 tokens, so a round of ceil(remaining / (k+1)) passes never
 runs past the requested length by more than one pass.
 
-Same device only (the sequential mode); the overlapped mode stays in app/fast_decode.py.
+Same device only (the sequential mode); the overlapped mode stays in bench/inproc/fast_decode.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import math
 
 import torch
 
-from app.fast_decode import GreedyLoop, SpecStats
-from app.fast_llama import FastLlama, capture_graph
+from bench.inproc.fast_decode import GreedyLoop, SpecStats
+from app.runners.lean_llama import FastLlama, capture_graph
 
 
 class SpeculativePassGraph:

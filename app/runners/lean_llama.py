@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple, TypeVar
 import torch
 import torch.nn.functional as F
 
-from app import int8_gemv, rows_attention
+from app.runners.kernels import int8_gemv, rows_attention
 
 Out = TypeVar("Out")
 Weights = Literal["bf16", "int8", "int8_layers"]
@@ -69,17 +69,17 @@ class FastLlama:
         quantises the layers' GEMMs and keeps the lm_head as loaded. For a draft model: its logits
         move slightly (acceptance may drop a little), the speculative output does not change,
         since the target verifies every proposal. On CUDA a few-row int8 matmul is one Triton kernel
-        reading int8 and dequantising in registers (app/int8_gemv.py's, or Inductor's where the options
-        below say so); on the CPU it runs eagerly. int8_one_row: the kernel of a one-row int8 matmul on CUDA, app/int8_gemv.py's
+        reading int8 and dequantising in registers (app/runners/kernels/int8_gemv.py's, or Inductor's where the options
+        below say so); on the CPU it runs eagerly. int8_one_row: the kernel of a one-row int8 matmul on CUDA, app/runners/kernels/int8_gemv.py's
         with block configs pinned from cold-weight timings (default; two rows always use it) or
         Inductor's, tuned by coordinate descent at each start, which made the 1B draft's step vary
         0.85-0.99 ms from start to start (bench/gpu_draft_step.py, bench/RESULTS.md section 2, session 17).
         int8_few_rows: the kernel of a 3-8 row int8 matmul on CUDA (a branching draft's rows, a short
-        verify of an int8 target): app/int8_gemv.py's few-row kernel (default), which reads each weight
+        verify of an int8 target): app/runners/kernels/int8_gemv.py's few-row kernel (default), which reads each weight
         once for all rows, or Inductor's written-out reduction, which made the 1B draft's forward over
         5 rows 2.61 ms against 1.49 (H200, bench/RESULTS.md section 2, session 18).
         decode_attention: a one-token step of 2+ sequences attends through `attention` (matmul: copies
-        both caches per layer, see app/rows_attention.py) or app/rows_attention.py's kernel, which
+        both caches per layer, see app/runners/kernels/rows_attention.py) or app/runners/kernels/rows_attention.py's kernel, which
         reads them in place (CUDA only)."""
         cfg = hf_model.config
         if compile_elementwise and compile_forward:
@@ -261,7 +261,7 @@ class FastLlama:
                 kc, vc = self.k_cache[i].index_select(0, rows), self.v_cache[i].index_select(0, rows)
             if kv_len is not None:
                 kc, vc = kc[:, :kv_len], vc[:, :kv_len]  # [B, L, KV, D]
-            if self._rows_attention and T == 1 and B > 1 and rows is None:  # read the caches in place (app/rows_attention.py)
+            if self._rows_attention and T == 1 and B > 1 and rows is None:  # read the caches in place (app/runners/kernels/rows_attention.py)
                 attn = rows_attention.decode_attention(q, kc, vc, positions.reshape(B))  # [B, H, 1, D]
             else:
                 attn = self._attend(q, kc.transpose(1, 2), vc.transpose(1, 2), mask)  # [B, H, T, D]
