@@ -205,6 +205,24 @@ def in_process_plain(prompt_tokens: int, new_tokens: int) -> dict:
     return {"in_process_plain_tok_s": tok_s, "roofline_tok_s": roofline, "card": torch.cuda.get_device_name()}
 
 
+def markdown(res: dict) -> str:
+    """The run as the tables of bench/RESULTS.md."""
+    f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    lines = ["| streams | mode | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | e2e p50 / p99 ms | engine step ms |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in res["plain"]:
+        lines.append(f"| {r['streams']} | plain, {'streaming' if r['stream'] else 'non-streaming'} | {f(r['tok_s'])} | "
+                     f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | {f(r['itl_p50_ms'])} / {f(r['itl_p99_ms'])} | "
+                     f"{f(r['e2e_p50_ms'], 0)} / {f(r['e2e_p99_ms'], 0)} | {f(r['engine_steps']['step_ms'], 2)} |")
+    lines += ["", "| α | k | streams | tok/s | × plain | acceptance | tokens / pass | pass ms | draft share | exchange share |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["speculative"]:
+        lines.append(f"| {r['alpha']} | {r['k']} | {r['streams']} | {f(r['tok_s'])} | {f(r['over_plain'], 2)} | "
+                     f"{f(r['acceptance'], 2)} | {f(r['tokens_per_pass'], 2)} | {f(r['pass_ms'], 2)} | "
+                     f"{f(r['draft_share'] * 100)} % | {f(r['exchange_share'] * 100, 2)} % |")
+    return "\n".join(lines)
+
+
 # ---- the run ------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -303,6 +321,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k not in ("plain", "speculative")}, indent=1))
+    print(markdown(res))
     serve.shutdown()
     ray.shutdown()
 
