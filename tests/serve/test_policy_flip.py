@@ -100,26 +100,31 @@ class EmulatedAcceleratorTarget(TargetServer.func_or_class):  # type: ignore[nam
     def __init__(self, config: dict, draft=None) -> None:
         super().__init__(config, draft)
         runner = self.engine.runner
-        forward = runner.forward
         # forwards whose real CPU time outlasted the emulated time: there the machine, not the
         # emulation, shaped the step times the policy learned (reported when the test fails)
         self.overran: list[tuple[int, float, float]] = []  # (tokens, real s, emulated s)
         self.forwards = 0
 
-        def padded(caches, inputs, **kw):
-            t0 = time.perf_counter()
-            out = forward(caches, inputs, **kw)
-            tokens = runner.last_padded_tokens  # rows x longest input, as an accelerator would pad
-            emulated = max(BASE_S, PER_TOKEN_S * tokens)
-            real = time.perf_counter() - t0
-            self.forwards += 1
-            if real > emulated:
-                self.overran.append((tokens, round(real, 3), round(emulated, 3)))
-            else:
-                time.sleep(emulated - real)
-            return out
+        def padded(forward, tokens_of):
+            """`forward` (a runner pass) taking at least the emulated time of the tokens it computes."""
+            def run(*args, **kw):
+                t0 = time.perf_counter()
+                out = forward(*args, **kw)
+                tokens = tokens_of(*args)
+                emulated = max(BASE_S, PER_TOKEN_S * tokens)
+                real = time.perf_counter() - t0
+                self.forwards += 1
+                if real > emulated:
+                    self.overran.append((tokens, round(real, 3), round(emulated, 3)))
+                else:
+                    time.sleep(emulated - real)
+                return out
+            return run
 
-        runner.forward = padded
+        # every target forward: the batched decode / verify pass, rows x longest input as an accelerator
+        # would pad it (what the engine reports as the pass's tokens), and a prompt chunk's prefill
+        runner.step = padded(runner.step, lambda seq_ids, inputs: len(seq_ids) * max(len(x) for x in inputs))
+        runner.prefill = padded(runner.prefill, lambda seq_id, tokens: len(tokens))
 
     def emulation_stats(self) -> dict[str, Any]:
         return {"forwards": self.forwards, "overran": self.overran[-20:], "overran_count": len(self.overran)}
