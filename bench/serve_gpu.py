@@ -214,7 +214,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['streams']} | plain, {'streaming' if r['stream'] else 'non-streaming'} | {f(r['tok_s'])} | "
                      f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | {f(r['itl_p50_ms'])} / {f(r['itl_p99_ms'])} | "
                      f"{f(r['e2e_p50_ms'], 0)} / {f(r['e2e_p99_ms'], 0)} | {f(r['engine_steps']['step_ms'], 2)} |")
-    lines += ["", "| α | k | streams | tok/s | × plain | acceptance | tokens / pass | pass ms | draft share | exchange share |",
+    lines += ["", "| α | k | streams | tok/s | × plain | acceptance | tokens / step | step ms | draft share | exchange share |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["speculative"]:
         lines.append(f"| {r['alpha']} | {r['k']} | {r['streams']} | {f(r['tok_s'])} | {f(r['over_plain'], 2)} | "
