@@ -13,7 +13,7 @@ import statistics
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from fastapi.responses import JSONResponse
 from ray.exceptions import RayError, TaskCancelledError
@@ -26,8 +26,22 @@ from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.openai_protocol import SpeculationUsage, Usage, error_body
 from app.policy import SpeculationDecision
 
-if TYPE_CHECKING:
-    from deployments.router import Router
+from ray.serve.handle import DeploymentHandle
+
+from app.policy import SpeculationPolicy
+from deployments.metrics_ray import ServeMetrics
+
+
+class RunHost(Protocol):
+    """What a RequestRun uses of the router that owns it (deployments/router.py's Router): the
+    target handle, the policy it teaches, the metrics and the counters it keeps up to date."""
+
+    target: DeploymentHandle
+    policy: SpeculationPolicy
+    metrics: ServeMetrics
+    failovers: int
+    in_flight: int
+    active_runs: set["RequestRun"]
 
 log = logging.getLogger("ray.serve")
 MAX_FAILOVERS = 3
@@ -56,7 +70,7 @@ class RequestError(Exception):
 class RequestRun:
     """One request's life across target replicas: streams chunks, fails over, accounts usage."""
 
-    def __init__(self, router: "Router", request: GenerateRequest, decision: SpeculationDecision,
+    def __init__(self, router: RunHost, request: GenerateRequest, decision: SpeculationDecision,
                  requested: str, prompt_class: str, shares_request: bool = False, count_prompt: bool = True) -> None:
         self.router, self.request, self.decision = router, request, decision
         self.requested, self.prompt_class = requested, prompt_class

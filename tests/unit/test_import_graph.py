@@ -23,9 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("app", "deployments", "bench")
 
 # (importer, imported): the edge whose removal breaks the cycle -> why it is still there
-KNOWN: dict[tuple[str, str], str] = {
-    ("deployments.request_run", "deployments.router"): "router <-> request_run: being reworked",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def modules() -> dict[str, Path]:
