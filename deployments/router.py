@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api_key import ApiKeys, is_open_path
-from app.config import AppConfig
+from app.config import AppConfig, UserConfig
 from app.health import ProbeSettings, TargetHealth
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.runners.loading import load_tokenizer
@@ -34,6 +34,7 @@ from app.openai_protocol import (
 )
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
 from deployments.metrics_ray import ServeMetrics
+from deployments.replica_info import live_config
 from deployments.request_router import load_registry
 from deployments.request_run import (
     RequestError, RequestRun, admit, collect, combined_usage, merged_chunks, provenance,
@@ -295,6 +296,18 @@ class Router:
             if run.replica:
                 by_replica[run.replica] = by_replica.get(run.replica, 0) + 1
         return {"in_flight": self.in_flight, "failovers": self.failovers, "by_replica": by_replica}
+
+    async def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+        """Serve's user_config (UserConfig), at start and on every `serve deploy` that changes it: the
+        policy in force becomes args' `policy` with user_config's `policy` over it, applied to the live
+        policy (SpeculationPolicy.reconfigure) without a restart. Async: on the event loop that decides."""
+        policy = UserConfig.model_validate(user_config or {}).policy_over(self.config.policy)
+        rebuilt = self.policy.reconfigure(policy)
+        log.info("policy reconfigured from user_config%s", f" (rebuilt: {', '.join(rebuilt)})" if rebuilt else "")
+
+    async def live_config(self) -> dict[str, Any]:
+        """For ops and tests (via a handle): this replica's identity and the settings in force."""
+        return live_config(self.policy.config)
 
     async def policy_state(self) -> dict[str, Any]:
         """For tests and benches (via a handle): what the policy has learned, and the load it sees.

@@ -5,6 +5,10 @@ process rewrites `<session_dir>/prom_metrics_service_discovery.json` (symlinked 
 `/tmp/ray/prom_metrics_service_discovery.json`) every few seconds with the node's metrics
 endpoint, so a Prometheus using cluster/prometheus/prometheus.yml finds this host's metrics, and with a
 fixed metrics export port (`--metrics-export-port`, 8080 by default as on the cluster manifests).
+
+A Serve config is deployed the way `serve deploy` (and `serve run FILE`) deploy it: through Serve's
+controller as a declarative config, so Serve applies its `deployments:` options and a later
+`serve deploy` of an edited file onto this Ray updates the application in place.
 """
 
 from __future__ import annotations
@@ -46,9 +50,18 @@ def start_ray(metrics_export_port: int, dashboard_port: int = 8265, num_cpus: in
 
 def serve_config_logging(path: str) -> dict | None:
     """The application's `logging_config` in a Serve config file (None for a plain AppConfig file):
-    `serve deploy` applies it; `serve.run` here must be given it."""
+    `serve deploy`, and `make run` through deploy_serve_config, apply it with the rest of the file."""
     data = load_yaml(path)
     return data["applications"][0].get("logging_config") if "applications" in data else None
+
+
+def deploy_serve_config(path: str) -> None:
+    """Deploy a Serve config file's applications as `serve deploy` does (the controller's apply_config,
+    which `serve run FILE` calls too): `deployments:` applied by Serve, updatable in place."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(load_yaml(path)))
 
 
 def main() -> None:
@@ -61,8 +74,10 @@ def main() -> None:
     config = parse_args({"config": args.config})
     start_ray(args.metrics_export_port)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-    serve.run(build_app(config.model_dump(mode="json")), name="specserve", route_prefix="/", blocking=False,
-              logging_config=serve_config_logging(args.config))
+    if "applications" in load_yaml(args.config):
+        deploy_serve_config(args.config)
+    else:  # a bare AppConfig file
+        serve.run(build_app(config.model_dump(mode="json")), name="specserve", route_prefix="/", blocking=False)
     wait_healthy("http://127.0.0.1:8000/health")
     print("\nspecserve is up: http://127.0.0.1:8000  (playground: http://127.0.0.1:8000/)")
     print(f"metrics: http://127.0.0.1:{args.metrics_export_port}/metrics  (Prometheus service discovery: "

@@ -7,16 +7,18 @@ request router picks for this target replica); an n-gram proposer runs in-proces
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.config import AppConfig
+from app.config import AppConfig, PolicyConfig, UserConfig
 from app.draft_channel import DraftChannelClient
 from app.draft_protocol import DraftClient, DraftStepRequest, DraftStepResponse, DraftUnavailable
 from app.engine import Overloaded, SpecEngine
@@ -31,6 +33,7 @@ from app.policy.step_wall import StepWall
 from app.proposers import NgramProposer, Proposer
 from deployments.draft_server import ChannelRequest
 from deployments.metrics_ray import ServeMetrics
+from deployments.replica_info import live_config
 
 log = logging.getLogger("ray.serve")
 
@@ -41,6 +44,12 @@ log = logging.getLogger("ray.serve")
 DRAFT_CALL_TIMEOUT_S = 3.0
 DRAFT_RETRY_AFTER_S = 2.0  # after a failed draft call, decode plainly this long before trying again
 DRAFT_RETRY_AFTER_MAX_S = 30.0  # ... doubling while calls keep failing
+DRAIN_POLL_S = 0.05  # how often a shutting-down replica checks whether its streams have ended
+
+
+class ReplicaDraining(RuntimeError):
+    """A generate call reached a replica that is shutting down. Raised before any chunk: the router
+    takes it as a replica failure and re-issues the request to another replica."""
 
 
 class RemoteDraftTransport:
@@ -159,12 +168,7 @@ class TargetServer:
             plan_k=self._plan_k,
         )
         c = self.policy.config
-        self.explorer = (StepExplorer(c.explore_every_steps, c.exploration_k, c.explore_max_every_steps)
-                         if c.explore_every_steps else None)
-        self.hold = PlainHold(c.plain_hold_steps)
-        # the host's steal read per step: a probe across which the hypervisor's share moved is no evidence
-        self.arbiter = (ModeArbiter(c.mode_arbiter, steal_meter=StealMeter().since_last)
-                        if c.mode_arbiter.enabled else None)
+        self._build_step_policy(c, None)
         # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
         self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
         self.step_wall = StepWall()
@@ -181,9 +185,51 @@ class TargetServer:
         self.window = StepWindow()  # measured step times, published in record_routing_stats
         self._planned: tuple[StepPlan, list[StepCandidate]] | None = None  # this step's plan and batch, set in _plan_k
         self._plans_seen, self._depths = 0, {}  # for a periodic log line of the plans' depths
-        trace = c.mode_arbiter.step_trace_path
-        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 — line-buffered: the replica may be killed
+        # reconfigure() swaps policy parts between steps: it holds the loop's lock (no _plan_k) and this one (no _on_step)
+        self._step_lock = threading.Lock()
+        self._streams = 0  # generate calls open on this replica (the drain in __del__ waits for them)
+        self._draining = False
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
+
+    def _build_step_policy(self, c: PolicyConfig, old: PolicyConfig | None) -> None:
+        """The engine-side policy parts, from `c`; with `old`, only those whose settings changed
+        (the others keep their measurements)."""
+        def changed(*fields: str) -> bool:
+            return old is None or any(getattr(old, f) != getattr(c, f) for f in fields)
+
+        if changed("explore_every_steps", "exploration_k", "explore_max_every_steps"):
+            self.explorer = (StepExplorer(c.explore_every_steps, c.exploration_k, c.explore_max_every_steps)
+                             if c.explore_every_steps else None)
+        if changed("plain_hold_steps"):
+            self.hold = PlainHold(c.plain_hold_steps)
+        if changed("mode_arbiter"):
+            # the host's steal read per step: a probe across which the hypervisor's share moved is no evidence
+            self.arbiter = (ModeArbiter(c.mode_arbiter, steal_meter=StealMeter().since_last)
+                            if c.mode_arbiter.enabled else None)
+        if old is None or old.mode_arbiter.step_trace_path != c.mode_arbiter.step_trace_path:
+            if old is not None and self._trace is not None:
+                self._trace.close()
+            trace = c.mode_arbiter.step_trace_path
+            self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 — line-buffered: the replica may be killed
+
+    def reconfigure(self, user_config: dict | None) -> None:
+        """Serve's user_config (UserConfig), at start and on every `serve deploy` that changes it: the
+        policy in force becomes args' `policy` with user_config's `policy` over it. Applied between two
+        engine steps to the live policy and step planner, without a restart or a model reload; parts
+        whose settings did not change keep what they measured."""
+        policy = UserConfig.model_validate(user_config or {}).policy_over(self.config.policy)
+        with self.loop.lock, self._step_lock:
+            old = self.policy.config
+            rebuilt = self.policy.reconfigure(policy)
+            self._build_step_policy(policy, old)
+            self._step_mode, self._planned = None, None  # planned under the old parts
+        log.info("policy reconfigured from user_config%s", f" (rebuilt: {', '.join(rebuilt)})" if rebuilt else "")
+
+    def live_config(self, route: ChannelRequest | None = None) -> dict:
+        """For ops and tests (via a handle): this replica's identity and the settings in force. `route`
+        only steers the call: the affinity router sends each client_id to one replica, different ids
+        spread over the replicas (a call without one goes to the least loaded)."""
+        return {**live_config(self.policy.config), "streams": self._streams, "draining": self._draining}
 
     # ---- adaptive k: the whole batch's plan, re-decided every step from live acceptance and cost ----
     def _plan_k(self, batch, caps: list[int]) -> list[int]:
@@ -238,6 +284,10 @@ class TargetServer:
             "drafted": sum(u.drafted for u in updates), "mode": mode, "chosen": chosen, "ids": list(ids)}) + "\n")
 
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
+        with self._step_lock:
+            self._observe_step(engine, updates, seconds)
+
+    def _observe_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         times = engine.last_times
         now = time.perf_counter()
         sp = self.step_parts
@@ -338,6 +388,17 @@ class TargetServer:
 
     # ---- the request path ----
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if self._draining:
+            raise ReplicaDraining(f"target replica {self.replica_id} is shutting down")
+        self._streams += 1
+        try:
+            async with aclosing(self._generate(request)) as chunks:  # closed at once when the caller cancels
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._streams -= 1
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         try:
             queue = self.loop.submit(request.request_id, request.prompt_ids, request.sampling, request.k,
                                      adaptive=request.adaptive, alpha_prior=request.alpha_prior)
@@ -412,7 +473,22 @@ class TargetServer:
         if not self.loop.thread.is_alive():
             raise RuntimeError("engine loop thread died")
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown (scale-down, an update that replaces replicas, `serve shutdown`).
+        Serve first waits, up to graceful_shutdown_timeout_s (the builder's default: a request's
+        deadline + a margin), until the replica has no ongoing request (routers stop sending new ones
+        once the controller marks it stopping), then rejects late handle calls so their routers retry
+        elsewhere, then calls this. Here: refuse new sequences (ReplicaDraining: the router re-issues),
+        wait for any stream still open to end (each ends by its deadline, so within
+        request_timeout_s), then stop the engine loop."""
+        self._draining = True
+        config = getattr(self, "config", None)
+        deadline = time.monotonic() + (config.engine.limits.request_timeout_s if config is not None else 0.0)
+        while getattr(self, "_streams", 0) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+        trace = getattr(self, "_trace", None)
+        if trace is not None:
+            trace.close()

@@ -206,6 +206,47 @@ class SpeculationPolicy:
         self._seen: dict[tuple[str, str], int] = {}  # (replica, kind) -> last publication ingested
         self._lock = threading.Lock()
 
+    # fields each learned part is built from: a change rebuilds that part (its measurements start over)
+    _ACCEPTANCE_FIELDS = ("prior_alpha", "acceptance_half_life_tokens", "max_k")
+    _LENGTH_FIELDS = ("length_window", "length_quantile", "length_min_samples")
+    _CALIBRATION_FIELDS = ("calibration_half_life_steps", "calibration_probe_every")
+    _LIVE_COST_FIELDS = ("chunk_s", "chunk_beside_s")  # read by StepCosts on every query
+
+    def reconfigure(self, config: PolicyConfig) -> list[str]:
+        """Apply a new config in place (a deployment's Serve `user_config`). What is read per decision
+        or per step (margin, k limits, optimism, costs.chunk_s, ...) takes the new value at once; a
+        learned part whose construction settings changed is rebuilt, and the others keep what they
+        have learned. Returns the rebuilt parts' names. Not thread-safe against decide/plan_step: the
+        caller serializes it with them."""
+        old, c = self.config, config
+        rebuilt: list[str] = []
+
+        def changed(fields: tuple[str, ...], a: Any = old, b: Any = c) -> bool:
+            return any(getattr(a, f) != getattr(b, f) for f in fields)
+
+        if old.costs != c.costs:
+            live_only = all(getattr(old.costs, f) == getattr(c.costs, f)
+                            for f in type(c.costs).model_fields if f not in self._LIVE_COST_FIELDS)
+            if live_only:
+                self.costs.config = c.costs
+            else:
+                self.costs = StepCosts(c.costs)
+                rebuilt.append("costs")
+        if changed(self._ACCEPTANCE_FIELDS):
+            self.acceptance = AcceptanceTracker(self.acceptance.pair, prior_alpha=c.prior_alpha,
+                                                half_life_tokens=c.acceptance_half_life_tokens, max_positions=c.max_k)
+            rebuilt.append("acceptance")
+        if changed(self._LENGTH_FIELDS):
+            self.lengths = LengthPredictor(window=c.length_window, quantile=c.length_quantile,
+                                           min_samples=c.length_min_samples)
+            rebuilt.append("lengths")
+        if changed(self._CALIBRATION_FIELDS):
+            self.calibration = (StepTimeCalibration(c.calibration_half_life_steps, probe_every=c.calibration_probe_every)
+                                if c.calibration_half_life_steps > 0 else None)
+            rebuilt.append("calibration")
+        self.config = c
+        return rebuilt
+
     # -- feeding -------------------------------------------------------------------------------
     def ingest(self, load: LoadSnapshot) -> None:
         """Take a replica's measured step times into the cost model, each kind once per publication."""

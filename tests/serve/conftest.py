@@ -14,10 +14,11 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from app.config import load_yaml
+from app.config import load_yaml, serve_config_args
 from bench.app_process import free_port, merged  # one copy of each, shared with the benches
 
-LOCAL_ARGS: dict[str, Any] = load_yaml("configs/local.yaml")["applications"][0]["args"]
+# the application configs/local.yaml deploys: its args with its Serve-shaped `deployments:` folded in
+LOCAL_ARGS: dict[str, Any] = serve_config_args(load_yaml("configs/local.yaml")["applications"][0])
 
 
 @pytest.fixture(scope="session")

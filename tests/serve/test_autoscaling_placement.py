@@ -130,7 +130,7 @@ def scenario(out_path: Path) -> None:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from app.config import load_yaml
+    from app.config import load_yaml, serve_config_args
     from bench.app_process import merged
     from deployments.builder import build_app
 
@@ -158,7 +158,7 @@ def scenario(out_path: Path) -> None:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        args = merged(load_yaml(CONFIG)["applications"][0]["args"], PLACEMENT)
+        args = merged(serve_config_args(load_yaml(CONFIG)["applications"][0]), PLACEMENT)
         report["app_args"] = args
         serve.run(build_app(args), name="specserve", route_prefix="/", blocking=False)
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.config import AppConfig, DeploymentOptions, load_engine_config
+from app.config import AppConfig, DeploymentOptions, load_engine_config, serve_config_args
 from deployments.builder import build_app, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,8 +58,9 @@ def check_serve_config(data: dict[str, Any]) -> list[AppConfig]:
     out = []
     for app in data["applications"]:
         assert app["import_path"] == IMPORT_PATH
-        config = parse_args(app["args"])
-        deployments = _built_deployments(app["args"])
+        args = serve_config_args(app)  # args with the app's `deployments:` folded in, as Serve applies them
+        config = parse_args(args)
+        deployments = _built_deployments(args)
         assert set(deployments) == ({"TargetServer", "DraftServer", "Router"} if config.engine.draft
                                     else {"TargetServer", "Router"})
         for field, name in POOLS.items():
