@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from app.config import PROJECT_ROOT, load_yaml
+from app.config import PROJECT_ROOT, load_yaml, serve_config_args
 
 LOCAL_CONFIG = PROJECT_ROOT / "configs" / "local.yaml"
 
@@ -66,7 +66,7 @@ GPU_OVERRIDES: dict[str, Any] = {
 
 def local_args(overrides: dict | None = None) -> dict[str, Any]:
     """configs/local.yaml's AppConfig mapping with deep-merged overrides."""
-    return merged(load_yaml(LOCAL_CONFIG)["applications"][0]["args"], overrides or {})
+    return merged(serve_config_args(load_yaml(LOCAL_CONFIG)["applications"][0]), overrides or {})
 
 
 Sample = tuple[str, dict[str, str], float]

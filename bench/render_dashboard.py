@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.config import PROJECT_ROOT, load_yaml
+from app.config import PROJECT_ROOT, load_yaml, serve_config_args
 
 RATE_WINDOW = "15s"  # $__rate_interval: >= 4 scrape intervals (1 s) and smooth enough to read
 STEP_S = 2.0
@@ -198,7 +198,7 @@ def record(config: Path) -> dict[str, Any]:
     from bench.prometheus_process import PrometheusProcess
     from cluster.grafana.dashboard import DASHBOARD_TITLE
 
-    args = load_yaml(config)["applications"][0]["args"]
+    args = serve_config_args(load_yaml(config)["applications"][0])
     with AppProcess(args, num_cpus=2) as app, PrometheusProcess(app.metrics_port, 1.0) as prom:
         print(f"app on {app.url}, Ray metrics on :{app.metrics_port}, Prometheus on {prom.url}", flush=True)
         while prom.scalar('up{job="ray"}') != 1.0:
