@@ -235,6 +235,12 @@ def _serve_log_lines(prefix: str) -> list[dict[str, Any]]:
     return records
 
 
+def _access_lines(records: list[dict[str, Any]], request_ids: set[Any]) -> list[dict[str, Any]]:
+    """Serve's access log lines for a successful POST /v1/completions with one of these request ids."""
+    return [rec for rec in records if rec.get("request_id") in request_ids
+            and rec.get("message", "").startswith("POST /v1/completions 200")]
+
+
 def test_json_logs_carry_completion_and_request_ids(ops_app: dict[str, Any]) -> None:
     assert LOGGING_CONFIG["encoding"] == "JSON"
     r = httpx.post(f"{ops_app['url']}/v1/completions", headers=_auth(KEY), timeout=30,
@@ -242,10 +248,11 @@ def test_json_logs_carry_completion_and_request_ids(ops_app: dict[str, Any]) -> 
     assert r.status_code == 200, r.text
     completion_id = r.json()["id"]
     deadline = time.monotonic() + 15
-    while True:  # Serve flushes its log files asynchronously
+    while True:  # Serve flushes its log files asynchronously, the access line after the router's own
         records = _serve_log_lines(f"replica_{APP_NAME}_Router_")
         mine = [rec for rec in records if rec.get("completion_id") == completion_id]
-        if len(mine) >= 2 or time.monotonic() > deadline:
+        ids = {rec.get("request_id") for rec in mine}
+        if (len(mine) >= 2 and _access_lines(records, ids)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert len(mine) >= 2, [rec.get("message") for rec in records[-10:]]  # admitted + ended
@@ -255,6 +262,5 @@ def test_json_logs_carry_completion_and_request_ids(ops_app: dict[str, Any]) -> 
     assert end["outcome"] == "finished" and end["completion_tokens"] == 3
     assert end["levelname"] == "INFO" and end["deployment"].endswith("Router")
     # Serve's access log line for the same HTTP request has the same request_id
-    access = [rec for rec in records if rec.get("request_id") in request_ids
-              and rec.get("message", "").startswith("POST /v1/completions 200")]
+    access = _access_lines(records, request_ids)
     assert access and access[0]["route"] == "/v1/completions", [rec for rec in records if rec.get("request_id") in request_ids]
