@@ -132,6 +132,7 @@ class SpecEngine:
         self.last_times = StepTimes()
         self.proposer_errors = 0  # steps that decoded plainly because the proposer was unavailable
         self.queue_times: list[float] = []  # seconds admitted requests waited; the caller drains it
+        self._special_ids = frozenset(getattr(runner.tokenizer, "all_special_ids", ()) or ())
 
     # ---- admission -------------------------------------------------------------------
     def add(
@@ -159,6 +160,11 @@ class SpecEngine:
                 f"prompt + max_tokens = {need} tokens exceeds this replica's KV budget "
                 f"({self.limits.max_cached_tokens}); lower max_tokens"
             )
+        vocab = self.runner.vocab_size
+        for name, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside this model's vocabulary of {vocab}: {bad[:5]}")
         if self._left_waiting(need) > self.limits.max_queue:
             raise Overloaded(f"{len(self.waiting)} requests already waiting")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -245,7 +251,7 @@ class SpecEngine:
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
             seq.prefilled += len(chunk)
             if seq.prefilled == len(seq.prompt_ids):
-                token = int(sample_token(logits[i], seq.sampling, seq.seed, len(seq.prompt_ids)))
+                token = int(sample_token(logits[i], seq.sampling, seq.seed, len(seq.prompt_ids), 0, self._banned(seq)))
                 updates.append(self._emit(seq, [token], drafted=0, accepted=0))
         return updates
 
@@ -272,7 +278,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         logits, rows = self.runner.step([s.seq_id for s in batch], inputs)  # [B, 1 + max k, vocab]
         results = verify_batch(logits, [
-            RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, len(s.token_ids))
+            RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, len(s.token_ids), len(s.output_ids), self._banned(s))
             for s, p, row in zip(batch, props, rows)])
         times.target = time.perf_counter() - t0  # the pass and its verification: one host read ends both
         times.batch_size = len(batch)
@@ -301,6 +307,13 @@ class SpecEngine:
         times.num_speculating = len(seqs)
         return {s.seq_id: p for s, p in zip(seqs, proposals)}
 
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """The tokens masked while the output is shorter than min_tokens: EOS and stop_token_ids."""
+        if not seq.sampling.min_tokens:
+            return ()
+        eos = () if seq.sampling.ignore_eos else tuple(self.runner.eos_ids)
+        return eos + tuple(seq.sampling.stop_token_ids)
+
     def _emit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> SeqUpdate:
         """Append verified tokens, stopping at EOS, max_tokens or a stop string."""
         seq.stats.record(drafted, accepted)
@@ -312,6 +325,9 @@ class SpecEngine:
             if token in self.runner.eos_ids and not seq.sampling.ignore_eos:
                 seq.finish_reason = "stop"
                 break
+            if token in seq.sampling.stop_token_ids and token in self._special_ids:
+                seq.finish_reason = "stop"  # a special stop token is not part of the text (as vLLM)
+                break
             update = seq.stop.add([token])
             kept.append(token)
             seq.output_ids.append(token)
@@ -319,6 +335,9 @@ class SpecEngine:
             if update.stopped:
                 seq.finish_reason = "stop"
                 stopped_on_text = True
+                break
+            if token in seq.sampling.stop_token_ids:
+                seq.finish_reason = "stop"
                 break
             if seq.remaining <= 0:
                 seq.finish_reason = "length"

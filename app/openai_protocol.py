@@ -96,10 +96,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,),
     "repetition_penalty": (1.0,),
-    "logit_bias": ({},),
-    "min_tokens": (0,),
     "min_p": (0.0,),
-    "stop_token_ids": ([],),
     "response_format": (ResponseFormat(type="text"),),
 }
 
@@ -207,6 +204,9 @@ class _Request(_Strict):
         """The engine's parameters for one choice. With a seed, choice i samples with seed + i: each
         of n choices differs and the request stays reproducible (choice 0 is the request with n=1)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        if (self.min_tokens or 0) > max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} is more than the {max_tokens} tokens this request may "
+                             "generate: lower min_tokens or raise max_tokens")
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -215,6 +215,9 @@ class _Request(_Strict):
             stop=tuple(self.stop or ()),
             seed=None if self.seed is None else (self.seed + choice) % 2**63,
             ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens or 0,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in (self.logit_bias or {}).items())),
         )
 
 

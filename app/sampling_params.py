@@ -8,7 +8,7 @@ depends on pydantic alone.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SamplingParams(BaseModel):
@@ -23,7 +23,23 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = ()
     seed: int | None = Field(None, ge=0, lt=2**63)
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = Field((), description="generation stops after any of these tokens (kept in "
+                                            "the output unless it is a special token), as vLLM's")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids cannot be generated before this many tokens")
+    logit_bias: tuple[tuple[int, float], ...] = Field((), description="(token id, bias added to its logit) pairs, "
+                                                      "applied to the target's distribution before sampling")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} > max_tokens {self.max_tokens}")
+        return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the target's logits are changed before sampling (logit_bias, min_tokens)."""
+        return bool(self.logit_bias) or self.min_tokens > 0

@@ -335,6 +335,10 @@ class Router:
             self._check_model(body.model)
             prompts = self._tokenize(body, chat)
             rooms = [self._room(body, ids, chat, i if len(prompts) > 1 else None) for i, (ids, _) in enumerate(prompts)]
+            for room in rooms:
+                body.sampling(default_max_tokens=min(DEFAULT_MAX_TOKENS, room))
+        except ValueError as e:  # the sampling settings contradict each other (min_tokens > max_tokens)
+            return RequestError(400, str(e), "min_tokens").response()
         except RequestError as e:
             return e.response()
         rid = new_id("chatcmpl" if chat else "cmpl")

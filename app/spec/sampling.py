@@ -47,6 +47,24 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_output: int,
+                  banned: tuple[int, ...]) -> torch.Tensor:
+    """The target's logits `[n, vocab]` for outputs first_output.. as the request asks: logit_bias
+    added, and the `banned` tokens (EOS and stop_token_ids) masked while the output is shorter than
+    min_tokens. Applied before greedy or sampled verification, so a draft proposal is judged against
+    the adjusted distribution and speculation changes nothing."""
+    if not params.adjusts_logits:
+        return logits
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = to_device([t for t, _ in params.logit_bias], out.device)
+        out[:, ids] += to_device([b for _, b in params.logit_bias], out.device, torch.float32)
+    masked = min(out.shape[0], max(0, params.min_tokens - first_output))  # rows before min_tokens
+    if masked and banned:
+        out[:masked, to_device(list(banned), out.device)] = float("-inf")
+    return out
+
+
 def uniform(seed: int, position: int, purpose: str) -> float:
     """A number in [0, 1) fixed by (request seed, absolute token position, purpose)."""
     digest = hashlib.blake2b(f"{seed}:{position}:{purpose}".encode(), digest_size=8).digest()
@@ -68,8 +86,11 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> torch.Tensor:
-    """The target's own token at `position` from `logits` `[vocab]`, on the device (`[]` long)."""
+def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
+                 first_output: int = 0, banned: tuple[int, ...] = ()) -> torch.Tensor:
+    """The target's own token at `position` from `logits` `[vocab]`, on the device (`[]` long);
+    first_output and banned as adjust_logits takes them."""
+    logits = adjust_logits(logits.unsqueeze(0), params, first_output, banned)[0]
     if params.greedy:
         return torch.argmax(logits)
     probs = processed_probs(logits.unsqueeze(0), params)  # [1, vocab]

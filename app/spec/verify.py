@@ -23,7 +23,7 @@ import torch
 
 from app.sampling_params import SamplingParams
 from app.runners.transfer import to_device
-from app.spec.sampling import inverse_cdf, processed_probs, uniforms
+from app.spec.sampling import adjust_logits, inverse_cdf, processed_probs, uniforms
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class RowToVerify:
     sampling: SamplingParams
     seed: int
     position: int  # absolute position of the first token this row emits
+    first_output: int = 0  # the index in the output of the first token this row emits
+    banned: tuple[int, ...] = ()  # tokens masked before min_tokens (EOS, stop_token_ids)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
     device = logits.device
     T = max(len(r.proposals) for r in rows) + 1  # the widest row's outputs
     out = torch.zeros((len(rows), T + 1), dtype=torch.long, device=device)  # [n, T tokens + accepted]
-    greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
+    # rows whose logits the request adjusts (logit_bias, min_tokens) take the one-row path
+    greedy = [i for i, r in enumerate(rows) if r.sampling.greedy and not r.sampling.adjusts_logits]
     if greedy:
         which = to_device([rows[i].row for i in greedy], device)
         choice = logits.index_select(0, which)[:, :T].argmax(dim=-1)  # [g, T]
@@ -61,10 +64,23 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
         accepted = match.long().cumprod(dim=1).sum(dim=1)  # [g]
         out[to_device(greedy, device)] = torch.cat([choice, accepted.unsqueeze(1)], dim=1)
     for i, r in enumerate(rows):
-        if not r.sampling.greedy:
-            out[i] = _verify_sampled(logits[r.row, :len(r.proposals) + 1], r, T)
+        if not r.sampling.greedy or r.sampling.adjusts_logits:
+            row = adjust_logits(logits[r.row, :len(r.proposals) + 1], r.sampling, r.first_output, r.banned)
+            out[i] = _verify_greedy_row(row, r, T) if r.sampling.greedy else _verify_sampled(row, r, T)
     host = out.tolist()  # the one host read of the step
     return [Verified(h[:h[T] + 1], h[T]) for h in host]
+
+
+def _verify_greedy_row(logits: torch.Tensor, r: RowToVerify, T: int) -> torch.Tensor:
+    """logits `[k+1, vocab]` of one greedy row -> `[T + 1]` as _verify_sampled returns it."""
+    k = len(r.proposals)
+    choice = logits.argmax(dim=-1)  # [k+1]
+    out = torch.zeros(T + 1, dtype=torch.long, device=logits.device)
+    out[:k + 1] = choice
+    if k:
+        match = choice[:k] == to_device(r.proposals, logits.device)
+        out[T] = match.long().cumprod(dim=0).sum()
+    return out
 
 
 def _verify_sampled(logits: torch.Tensor, r: RowToVerify, T: int) -> torch.Tensor:

@@ -159,7 +159,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("logprobs_not_yet", C, completion(logprobs=1), 400, "logprobs", None),
     ("chat_logprobs_not_yet", CHAT, chat(logprobs=True, top_logprobs=2), 400, "logprobs", None),
     ("presence_penalty_not_yet", C, completion(presence_penalty=0.5), 400, "presence_penalty", None),
-    ("logit_bias_not_yet", CHAT, chat(logit_bias={"5": -100}), 400, "logit_bias", None),
+    ("min_tokens_over_max_tokens", C, completion(min_tokens=9, max_tokens=8), 400, "min_tokens", None),
     ("response_format_not_yet", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format",
      None),
     # /tokenize and /detokenize

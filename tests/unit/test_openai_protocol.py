@@ -33,6 +33,16 @@ def refusal(make, **fields: Any) -> dict[str, Any]:
 
 
 # ---- refused by name ------------------------------------------------------------------------------
+def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine() -> None:
+    body = completion(stop_token_ids=[7, 9], min_tokens=3, logit_bias={"42": -100, "5": 2.5}, max_tokens=8)
+    params = body.sampling(default_max_tokens=16)
+    assert params.stop_token_ids == (7, 9) and params.min_tokens == 3
+    assert params.logit_bias == ((5, 2.5), (42, -100.0))
+    with pytest.raises(ValueError, match="min_tokens 9 is more than the 8 tokens"):
+        completion(min_tokens=9, max_tokens=8).sampling(default_max_tokens=16)
+
+
+
 NOT_YET_CASES: list[tuple[Any, str, Any]] = [
     (completion, "logprobs", 0),  # completions' 0 asks for the chosen token's logprob
     (completion, "logprobs", 5),
@@ -41,10 +51,7 @@ NOT_YET_CASES: list[tuple[Any, str, Any]] = [
     (completion, "presence_penalty", 0.5),
     (chat, "frequency_penalty", -1.0),
     (completion, "repetition_penalty", 1.2),
-    (chat, "logit_bias", {"42": -100}),
-    (completion, "min_tokens", 4),
     (completion, "min_p", 0.1),
-    (completion, "stop_token_ids", [7]),
     (chat, "response_format", {"type": "json_object"}),
     (chat, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
 ]

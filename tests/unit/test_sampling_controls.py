@@ -1,0 +1,82 @@
+"""stop_token_ids, min_tokens and logit_bias on the engine: each changes the output as it says,
+and greedy speculation gives exactly what plain decoding gives with the same settings, because
+the adjusted distribution is what the draft's proposals are verified against (sampled decoding
+goes through the same adjusted distribution: tests/unit/test_sampling_lossless.py covers its
+exactness in distribution)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine import SpecEngine
+from app.proposers import DraftModelProposer
+from app.sampling_params import SamplingParams
+
+PROMPT = "def read_config(path):\n"
+
+
+def run(target_runner, draft_runner, encode, drive, params: SamplingParams, k: int) -> dict:
+    engine = SpecEngine(target_runner, DraftModelProposer(runner=draft_runner) if k else None)
+    engine.add("s", encode(PROMPT), params, k=k)
+    return drive(engine)["s"]
+
+
+def test_each_control_is_the_same_with_and_without_speculation(target_runner, draft_runner, encode, drive):
+    temperature = 0.0
+    plain = run(target_runner, draft_runner, encode, drive,
+                SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True), 0)
+    stop_at = plain["tokens"][6]
+    favourite = plain["tokens"][0]
+    for params in (
+        SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True, stop_token_ids=(stop_at,)),
+        SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True,
+                       logit_bias=((favourite, -100.0), (plain["tokens"][1], 3.0))),
+        SamplingParams(temperature=temperature, seed=5, max_tokens=24, min_tokens=20,
+                       stop_token_ids=(plain["tokens"][2],)),
+    ):
+        off = run(target_runner, draft_runner, encode, drive, params, 0)
+        on = run(target_runner, draft_runner, encode, drive, params, 4)
+        assert on["drafted"] > 0
+        assert (on["tokens"], on["finish"]) == (off["tokens"], off["finish"]), params
+
+
+def test_stop_token_ids_end_the_output_at_the_token(target_runner, draft_runner, encode, drive):
+    plain = run(target_runner, draft_runner, encode, drive, SamplingParams(max_tokens=24, ignore_eos=True), 0)
+    stop_at = plain["tokens"][6]
+    first = plain["tokens"].index(stop_at)
+    out = run(target_runner, draft_runner, encode, drive,
+              SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop_at,)), 4)
+    assert out["tokens"] == plain["tokens"][:first + 1] and out["finish"] == "stop"  # kept, as vLLM
+
+
+def test_min_tokens_holds_back_the_stop_tokens(target_runner, draft_runner, encode, drive):
+    plain = run(target_runner, draft_runner, encode, drive, SamplingParams(max_tokens=24, ignore_eos=True), 0)
+    stopper = plain["tokens"][2]
+    early = run(target_runner, draft_runner, encode, drive,
+                SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stopper,)), 4)
+    held = run(target_runner, draft_runner, encode, drive,
+               SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stopper,), min_tokens=12), 4)
+    assert len(early["tokens"]) <= 3
+    assert len(held["tokens"]) >= 12 and stopper not in held["tokens"][:12]
+
+
+def test_logit_bias_moves_the_greedy_choice(target_runner, draft_runner, encode, drive):
+    plain = run(target_runner, draft_runner, encode, drive, SamplingParams(max_tokens=8, ignore_eos=True), 0)
+    forced = 7
+    out = run(target_runner, draft_runner, encode, drive,
+              SamplingParams(max_tokens=8, ignore_eos=True, logit_bias=((forced, 100.0),)), 4)
+    assert out["tokens"] == [forced] * 8 != plain["tokens"]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(target_runner):
+    engine = SpecEngine(target_runner, None)
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):
+        engine.add("s", [1, 2, 3], SamplingParams(stop_token_ids=(10**7,)))
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_a_sampled_request_samples_from_the_biased_distribution(target_runner, draft_runner, encode, drive):
+    out = run(target_runner, draft_runner, encode, drive,
+              SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True, logit_bias=((7, 100.0),)), 4)
+    assert out["tokens"] == [7] * 8 and out["drafted"] > 0
