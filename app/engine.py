@@ -251,7 +251,8 @@ class SpecEngine:
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
             seq.prefilled += len(chunk)
             if seq.prefilled == len(seq.prompt_ids):
-                token = int(sample_token(logits[i], seq.sampling, seq.seed, len(seq.prompt_ids), 0, self._banned(seq)))
+                token = int(sample_token(logits[i], seq.sampling, seq.seed, len(seq.prompt_ids), 0, self._banned(seq),
+                                         (seq.prompt_ids, [], [])))
                 updates.append(self._emit(seq, [token], drafted=0, accepted=0))
         return updates
 
@@ -278,7 +279,8 @@ class SpecEngine:
         t0 = time.perf_counter()
         logits, rows = self.runner.step([s.seq_id for s in batch], inputs)  # [B, 1 + max k, vocab]
         results = verify_batch(logits, [
-            RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, len(s.token_ids), len(s.output_ids), self._banned(s))
+            RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, len(s.token_ids), len(s.output_ids), self._banned(s),
+                        *((s.prompt_ids, s.output_ids) if s.sampling.penalised else (None, None)))
             for s, p, row in zip(batch, props, rows)])
         times.target = time.perf_counter() - t0  # the pass and its verification: one host read ends both
         times.batch_size = len(batch)

@@ -29,6 +29,12 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[int, float], ...] = Field((), description="(token id, bias added to its logit) pairs, "
                                                       "applied to the target's distribution before sampling")
 
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every token "
+                                    "the output already holds (OpenAI's)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per occurrence in the output")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="divides a positive logit (multiplies a "
+                                      "negative one) of every token in the prompt or the output (vLLM's, from CTRL)")
+
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:
@@ -41,5 +47,10 @@ class SamplingParams(BaseModel):
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the target's logits are changed before sampling (logit_bias, min_tokens)."""
-        return bool(self.logit_bias) or self.min_tokens > 0
+        """Whether the target's logits are changed before sampling (logit_bias, min_tokens, penalties)."""
+        return (bool(self.logit_bias) or self.min_tokens > 0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

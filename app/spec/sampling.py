@@ -48,14 +48,18 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_output: int,
-                  banned: tuple[int, ...]) -> torch.Tensor:
-    """The target's logits `[n, vocab]` for outputs first_output.. as the request asks: logit_bias
-    added, and the `banned` tokens (EOS and stop_token_ids) masked while the output is shorter than
-    min_tokens. Applied before greedy or sampled verification, so a draft proposal is judged against
-    the adjusted distribution and speculation changes nothing."""
+                  banned: tuple[int, ...], history: tuple[list[int], list[int], list[int]] | None = None) -> torch.Tensor:
+    """The target's logits `[n, vocab]` for outputs first_output.. as the request asks: penalties
+    for what came before each row, logit_bias added, and the `banned` tokens (EOS and
+    stop_token_ids) masked while the output is shorter than min_tokens. history: (prompt ids,
+    output ids, proposals): row j comes after the output and the first j proposals. Applied before
+    greedy or sampled verification, so a draft proposal is judged against the adjusted
+    distribution and speculation changes nothing."""
     if not params.adjusts_logits:
         return logits
     out = logits.float().clone()
+    if params.penalised and history is not None:
+        out = _penalise(out, params, *history)
     if params.logit_bias:
         ids = to_device([t for t, _ in params.logit_bias], out.device)
         out[:, ids] += to_device([b for _, b in params.logit_bias], out.device, torch.float32)
@@ -63,6 +67,29 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_output: in
     if masked and banned:
         out[:masked, to_device(list(banned), out.device)] = float("-inf")
     return out
+
+
+def _penalise(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+              proposals: list[int]) -> torch.Tensor:
+    """Presence, frequency and repetition penalties of rows `[n, vocab]`, row j after `output` and
+    proposals[:j] (what precedes that position if the proposals before it are accepted)."""
+    n, vocab = logits.shape
+    device = logits.device
+    counts = torch.zeros(vocab, device=device)
+    if output:
+        counts += torch.bincount(to_device(output, device), minlength=vocab).float()
+    counts = counts.expand(n, vocab).clone()  # [n, vocab]
+    extra = proposals[:n - 1]
+    if extra:  # row j also counts proposals[:j]
+        onehot = torch.nn.functional.one_hot(to_device(extra, device), vocab).float()  # [len, vocab]
+        counts[1:len(extra) + 1] += onehot.cumsum(dim=0)
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt:
+            seen[:, to_device(prompt, device)] = True
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
 
 
 def uniform(seed: int, position: int, purpose: str) -> float:
@@ -87,10 +114,11 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
-                 first_output: int = 0, banned: tuple[int, ...] = ()) -> torch.Tensor:
+                 first_output: int = 0, banned: tuple[int, ...] = (),
+                 history: tuple[list[int], list[int], list[int]] | None = None) -> torch.Tensor:
     """The target's own token at `position` from `logits` `[vocab]`, on the device (`[]` long);
-    first_output and banned as adjust_logits takes them."""
-    logits = adjust_logits(logits.unsqueeze(0), params, first_output, banned)[0]
+    first_output, banned and history as adjust_logits takes them."""
+    logits = adjust_logits(logits.unsqueeze(0), params, first_output, banned, history)[0]
     if params.greedy:
         return torch.argmax(logits)
     probs = processed_probs(logits.unsqueeze(0), params)  # [1, vocab]

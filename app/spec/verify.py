@@ -36,6 +36,8 @@ class RowToVerify:
     position: int  # absolute position of the first token this row emits
     first_output: int = 0  # the index in the output of the first token this row emits
     banned: tuple[int, ...] = ()  # tokens masked before min_tokens (EOS, stop_token_ids)
+    prompt: list[int] | None = None  # the sequence so far, for penalties (None: the request has none)
+    output: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
         out[to_device(greedy, device)] = torch.cat([choice, accepted.unsqueeze(1)], dim=1)
     for i, r in enumerate(rows):
         if not r.sampling.greedy or r.sampling.adjusts_logits:
-            row = adjust_logits(logits[r.row, :len(r.proposals) + 1], r.sampling, r.first_output, r.banned)
+            history = (r.prompt or [], r.output or [], r.proposals) if r.sampling.penalised else None
+            row = adjust_logits(logits[r.row, :len(r.proposals) + 1], r.sampling, r.first_output, r.banned, history)
             out[i] = _verify_greedy_row(row, r, T) if r.sampling.greedy else _verify_sampled(row, r, T)
     host = out.tolist()  # the one host read of the step
     return [Verified(h[:h[T] + 1], h[T]) for h in host]

@@ -158,7 +158,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     # known fields the engine does not implement yet (app/openai_protocol.py NOT_SUPPORTED_YET)
     ("logprobs_not_yet", C, completion(logprobs=1), 400, "logprobs", None),
     ("chat_logprobs_not_yet", CHAT, chat(logprobs=True, top_logprobs=2), 400, "logprobs", None),
-    ("presence_penalty_not_yet", C, completion(presence_penalty=0.5), 400, "presence_penalty", None),
+    ("presence_penalty_out_of_range", C, completion(presence_penalty=2.5), 400, "presence_penalty", None),
     ("min_tokens_over_max_tokens", C, completion(min_tokens=9, max_tokens=8), 400, "min_tokens", None),
     ("response_format_not_yet", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format",
      None),

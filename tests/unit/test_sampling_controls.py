@@ -80,3 +80,29 @@ def test_a_sampled_request_samples_from_the_biased_distribution(target_runner, d
     out = run(target_runner, draft_runner, encode, drive,
               SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True, logit_bias=((7, 100.0),)), 4)
     assert out["tokens"] == [7] * 8 and out["drafted"] > 0
+
+
+def test_penalties_against_a_hand_computation() -> None:
+    import torch
+
+    from app.spec.sampling import adjust_logits
+
+    logits = torch.tensor([[0.5, -1.0, 2.0, 3.0], [0.5, -1.0, 2.0, 3.0]])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    # row 0 follows output [2, 2] (prompt [1]); row 1 also the proposal 3
+    got = adjust_logits(logits, params, 2, (), ([1], [2, 2], [3]))
+    want = torch.tensor([[0.5, -2.0, 2.0 / 2 - 0.5 - 0.5, 3.0],
+                         [0.5, -2.0, 2.0 / 2 - 0.5 - 0.5, 3.0 / 2 - 0.25 - 0.5]])
+    torch.testing.assert_close(got, want)
+
+
+def test_penalties_are_the_same_with_and_without_speculation(target_runner, draft_runner, encode, drive):
+    base = dict(max_tokens=32, ignore_eos=True)
+    plain = run(target_runner, draft_runner, encode, drive, SamplingParams(**base), 0)
+    for pen in (dict(frequency_penalty=1.5), dict(presence_penalty=1.0, repetition_penalty=1.3)):
+        params = SamplingParams(**base, **pen)
+        off = run(target_runner, draft_runner, encode, drive, params, 0)
+        on = run(target_runner, draft_runner, encode, drive, params, 4)
+        assert on["drafted"] > 0 and on["tokens"] == off["tokens"], pen
+        assert off["tokens"] != plain["tokens"], pen  # the penalty changed the output
+        assert len(set(off["tokens"])) >= len(set(plain["tokens"])), pen  # and repeats no more
