@@ -93,7 +93,6 @@ class StreamOptions(_Strict):
 NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
     "logprobs": (False,),
     "top_logprobs": (0,),
-    "min_p": (0.0,),
     "response_format": (ResponseFormat(type="text"),),
 }
 
@@ -214,6 +213,7 @@ class _Request(_Strict):
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             min_tokens=self.min_tokens or 0,
+            min_p=self.min_p or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,

@@ -19,6 +19,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the most likely one")
     max_tokens: int = Field(64, ge=1, le=1_000_000)
     stop: tuple[str, ...] = ()
     seed: int | None = Field(None, ge=0, lt=2**63)

@@ -20,7 +20,7 @@ _MIN_TEMPERATURE = 1e-30
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p. `logits`: `[n, vocab]` -> `[n, vocab]` float32.
+    """Probabilities after temperature, top-k, min-p and top-p. `logits`: `[n, vocab]` -> `[n, vocab]` float32.
 
     The same function is applied to draft and target logits: rejection sampling is lossless
     with respect to the *processed* target distribution only if the draft's is processed alike.
@@ -35,6 +35,9 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:  # relative to each row's most likely token, which always stays
+        probs = probs.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the token crossing it included)

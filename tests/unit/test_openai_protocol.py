@@ -40,6 +40,7 @@ def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine() -> None:
     assert params.logit_bias == ((5, 2.5), (42, -100.0))
     pen = completion(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2).sampling(16)
     assert (pen.presence_penalty, pen.frequency_penalty, pen.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert completion(min_p=0.1).sampling(16).min_p == 0.1
     with pytest.raises(ValueError, match="min_tokens 9 is more than the 8 tokens"):
         completion(min_tokens=9, max_tokens=8).sampling(default_max_tokens=16)
 
@@ -50,7 +51,6 @@ NOT_YET_CASES: list[tuple[Any, str, Any]] = [
     (completion, "logprobs", 5),
     (chat, "logprobs", True),
     (chat, "top_logprobs", 3),
-    (completion, "min_p", 0.1),
     (chat, "response_format", {"type": "json_object"}),
     (chat, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
 ]
@@ -108,7 +108,7 @@ def test_nested_unknown_keys_are_refused_with_their_path() -> None:
 
 
 def test_refusal_message_names_what_is_accepted() -> None:
-    assert refusal(completion, min_p=0.1)["msg"].endswith("send null or 0.0")
+    assert refusal(completion, logprobs=2)["type"] == "not_supported_yet"
     assert refusal(chat, tool_choice="required")["msg"].endswith('send null or "none" or "auto"')
     assert refusal(chat, logprobs=True)["msg"].endswith("send null or false")
     assert refusal(completion, logprobs=2)["msg"].endswith("send null")  # no boolean hint for an int field

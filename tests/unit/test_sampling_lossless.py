@@ -152,6 +152,13 @@ def _one_thread_for_tiny_tensors(request):
     torch.set_num_threads(before)
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_top_one():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])  # softmax [.644, .237, .087, .032]
+    p = processed_probs(logits, SamplingParams(temperature=1.0, min_p=0.1))[0]  # keeps >= .0644
+    e = np.exp([3.0, 2.0, 1.0])
+    np.testing.assert_allclose(p.numpy(), [*(e / e.sum()), 0.0], atol=1e-6)
+
+
 def test_processed_probs_matches_hand_computation():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     top1 = processed_probs(logits, SamplingParams(temperature=1.0, top_k=1))[0]
