@@ -33,7 +33,7 @@ from app.detokenizer import StopChecker
 from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
 from app.runners.model_runner import ContextOverflow, ModelRunner
 from app.spec.sampling import sample_token
-from app.spec.verify import RowToVerify, verify_batch
+from app.spec.verify import RowToVerify, TokenLogprob, token_logprobs, verify_batch
 
 # Prompt tokens prefilled per engine step, all newcomers together: bounds how long a long prompt
 # stalls the decoding batch (one chunk per step) while short prompts still finish in one step.
@@ -87,6 +87,7 @@ class SeqUpdate:
     drafted: int = 0
     accepted: int = 0
     k: int = 0
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked
 
 
 @dataclass
@@ -251,9 +252,13 @@ class SpecEngine:
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
             seq.prefilled += len(chunk)
             if seq.prefilled == len(seq.prompt_ids):
-                token = int(sample_token(logits[i], seq.sampling, seq.seed, len(seq.prompt_ids), 0, self._banned(seq),
-                                         (seq.prompt_ids, [], [])))
-                updates.append(self._emit(seq, [token], drafted=0, accepted=0))
+                chosen = sample_token(logits[i], seq.sampling, seq.seed, len(seq.prompt_ids), 0, self._banned(seq),
+                                      (seq.prompt_ids, [], []))
+                logprobs = None
+                if seq.sampling.logprobs is not None:
+                    lp, values, ids = token_logprobs(logits[i:i + 1], chosen.view(1), seq.sampling.logprobs)
+                    logprobs = [(lp.item(), list(zip(ids[0].tolist(), values[0].tolist())))]
+                updates.append(self._emit(seq, [int(chosen)], drafted=0, accepted=0, logprobs=logprobs))
         return updates
 
     def _decode_step(self, batch: list[Sequence], times: StepTimes) -> list[SeqUpdate]:
@@ -291,7 +296,8 @@ class SpecEngine:
             self.runner.truncate(seq.seq_id, before + 1 + result.num_accepted)
             if proposal.tokens and self.proposer is not None:
                 self.proposer.observe(seq.seq_id, result.num_accepted)
-            updates.append(self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted))
+            updates.append(self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted,
+                                      logprobs=result.logprobs))
         return updates
 
     def _propose(self, seqs: list[Sequence], step_k: dict[str, int], times: StepTimes) -> dict[str, Proposal]:
@@ -316,7 +322,8 @@ class SpecEngine:
         eos = () if seq.sampling.ignore_eos else tuple(self.runner.eos_ids)
         return eos + tuple(seq.sampling.stop_token_ids)
 
-    def _emit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> SeqUpdate:
+    def _emit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int,
+              logprobs: list[TokenLogprob] | None = None) -> SeqUpdate:
         """Append verified tokens, stopping at EOS, max_tokens or a stop string."""
         seq.stats.record(drafted, accepted)
         self.stats.record(drafted, accepted)
@@ -349,7 +356,8 @@ class SpecEngine:
                 text += seq.stop.flush()
             self.running.pop(seq.seq_id, None)
             self._release(seq)
-        return SeqUpdate(seq.seq_id, kept, text, seq.finish_reason, drafted, accepted, seq.step_k)
+        return SeqUpdate(seq.seq_id, kept, text, seq.finish_reason, drafted, accepted, seq.step_k,
+                         logprobs[:len(kept)] if logprobs is not None else None)
 
     def _release(self, seq: Sequence) -> None:
         self.runner.remove(seq.seq_id)

@@ -34,6 +34,8 @@ class GenerateChunk:
     error: str | None = None  # admission refused: the router answers with `status`
     status: int = 0
     steps: tuple[tuple[int, int, int], ...] = ()  # merged steps: (tokens, drafted, accepted) each, in order
+    # per token, when the request asked: (log-probability, [(alternative id, log-probability)])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     def parts(self) -> tuple[tuple[int, int, int], ...]:
         """(tokens, drafted, accepted) of each step in this chunk."""

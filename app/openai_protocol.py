@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, field_validator, model_validator
@@ -91,8 +92,6 @@ class StreamOptions(_Strict):
 # completions' `logprobs: 0` asks for the chosen token's logprob, chat's `logprobs: false` does not).
 # Turning one on is deleting its line here and reading the field in `_Request.sampling()`.
 NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "response_format": (ResponseFormat(type="text"),),
 }
 
@@ -196,6 +195,14 @@ class _Request(_Strict):
         """The field that set the completion's length (max_completion_tokens wins, as OpenAI's)."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per token (0: the chosen token's logprob only); None: no logprobs.
+        Completions ask with `logprobs: n`, chat with `logprobs: true` and `top_logprobs: n`."""
+        logprobs = getattr(self, "logprobs", None)
+        if isinstance(logprobs, bool):
+            return (getattr(self, "top_logprobs", None) or 0) if logprobs else None
+        return logprobs
+
     def sampling(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's parameters for one choice. With a seed, choice i samples with seed + i: each
         of n choices differs and the request stays reproducible (choice 0 is the request with n=1)."""
@@ -213,6 +220,7 @@ class _Request(_Strict):
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             min_tokens=self.min_tokens or 0,
+            logprobs=self.logprob_count(),
             min_p=self.min_p or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -227,7 +235,7 @@ class CompletionRequest(_Request):
         "prompt-major, prompt i's choice j at i * n + j)")
     echo: bool = Field(False, description="each choice's text starts with its prompt")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n (ranking needs logprobs)")
-    logprobs: int | None = Field(None, ge=0, le=20)  # NOT_SUPPORTED_YET
+    logprobs: int | None = Field(None, ge=0, le=20, description="each token's logprob and this many alternatives")
     suffix: str | None = None  # NOT_SUPPORTED unless empty
 
     @field_validator("prompt")
@@ -305,8 +313,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
-    logprobs: bool | None = None  # NOT_SUPPORTED_YET
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # NOT_SUPPORTED_YET
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # NOT_SUPPORTED: refused unless null or a value that asks for nothing
     tools: Any = None
     tool_choice: Any = None
@@ -394,31 +402,60 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def completion_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
-    """`choices`: (text, finish reason) of each choice, in index order."""
+TokenLogprobs = list[tuple[int, float, list[tuple[int, float]]]]  # per token: (id, logprob, alternatives)
+
+
+def logprobs_block(decode: Callable[[int], str], tokens: TokenLogprobs | None, chat: bool,
+                   text_offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's `logprobs` of a choice (or a chunk of it) from per-token (id, logprob, alternatives).
+    Completions: parallel lists with text offsets; chat: a `content` list with bytes."""
+    if tokens is None:
+        return None
+    if chat:
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            s = decode(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                            for t, lp, alts in tokens]}
+    texts = [decode(t) for t, _, _ in tokens]
+    offsets, at = [], text_offset
+    for s in texts:
+        offsets.append(at)
+        at += len(s)
+    return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in tokens],
+            "top_logprobs": [{decode(a): alp for a, alp in alts} for _, _, alts in tokens],
+            "text_offset": offsets}
+
+
+def completion_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage,
+                        logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """`choices`: (text, finish reason) of each choice, in index order; `logprobs` each one's block."""
     return {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
-        "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+        "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs[i] if logprobs else None}
                     for i, (text, finish) in enumerate(choices)],
         "usage": usage.model_dump(),
     }
 
 
-def chat_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
-    """`choices`: (text, finish reason) of each choice, in index order."""
+def chat_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage,
+                  logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """`choices`: (text, finish reason) of each choice, in index order; `logprobs` each one's block."""
     return {
         "id": rid, "object": "chat.completion", "created": now(), "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                     "logprobs": logprobs[i] if logprobs else None}
                     for i, (text, finish) in enumerate(choices)],
         "usage": usage.model_dump(),
     }
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None,
-                     provenance: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
+                     provenance: list[dict[str, Any]] | None = None, index: int = 0,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
-        "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}],
     }
     if provenance is not None:
         chunk["specserve"] = {"tokens": provenance}  # extension field; OpenAI clients ignore it
@@ -426,7 +463,8 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None,
 
 
 def chat_chunk(rid: str, model: str, text: str | None, finish: str | None, first: bool = False,
-               provenance: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
+               provenance: list[dict[str, Any]] | None = None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
@@ -434,7 +472,7 @@ def chat_chunk(rid: str, model: str, text: str | None, finish: str | None, first
         delta["content"] = text
     chunk: dict[str, Any] = {
         "id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-        "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
     }
     if provenance is not None:
         chunk["specserve"] = {"tokens": provenance}

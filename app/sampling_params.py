@@ -36,6 +36,9 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="divides a positive logit (multiplies a "
                                       "negative one) of every token in the prompt or the output (vLLM's, from CTRL)")
 
+    logprobs: int | None = Field(None, ge=0, le=20, description="report each output token's log-probability under "
+                                 "the target's raw distribution and this many most likely alternatives; None: none")
+
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:

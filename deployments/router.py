@@ -29,7 +29,8 @@ from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.runners.loading import load_tokenizer
 from app.openai_protocol import (
     UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-    TokenizeRequest, chat_chunk, chat_response, completion_chunk, completion_response, error_body, new_id,
+    TokenizeRequest, chat_chunk, chat_response, completion_chunk, completion_response, error_body, logprobs_block,
+    new_id,
     template_messages, tokenize_model,
 )
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
@@ -373,12 +374,24 @@ class Router:
             outputs = await collect(runs)
         except RequestError as e:
             return e.response()
-        choices = []
+        choices, blocks = [], []
         for i, chunks in enumerate(outputs):
             text_out = (echoes[i] if echoes else "") + "".join(c.text for c in chunks)
             choices.append((text_out, chunks[-1].finish_reason if chunks else None))
+            asked = any(c.logprobs is not None for c in chunks)
+            blocks.append(logprobs_block(self._decode_one, [e for c in chunks for e in self._token_logprobs(c)], chat,
+                                         len(echoes[i]) if echoes else 0) if asked else None)
         make = chat_response if chat else completion_response
-        return JSONResponse(make(rid, self.config.model_name, choices, combined_usage(runs, prompt_tokens)))
+        return JSONResponse(make(rid, self.config.model_name, choices, combined_usage(runs, prompt_tokens), blocks))
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    @staticmethod
+    def _token_logprobs(chunk: GenerateChunk) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """A chunk's per-token (id, logprob, alternatives), for logprobs_block. (A method, not a module
+        function: Serve ships this class by value, and a comprehension's globals do not travel.)"""
+        return [(t, lp, alts) for t, (lp, alts) in zip(chunk.token_ids, chunk.logprobs or [])]
 
     def _room(self, body, prompt_ids: list[int], chat: bool, index: int | None) -> int:
         """Tokens left for the completion after this prompt; a 400 when none, or fewer than asked."""
@@ -493,15 +506,21 @@ class Router:
         OpenAI's, the other chunks then carry "usage": null)."""
         model = self.config.model_name
         started = [False] * len(runs)
+        offsets = [0] * len(runs)  # each choice's text so far: completions' logprobs carry text offsets
         try:
             async for i, chunk in merged_chunks(runs, firsts):
                 prov = provenance(self.tokenizer, chunk) if with_provenance else None
                 text = chunk.text if started[i] or not echoes else echoes[i] + chunk.text
+                lp = None
+                if chunk.logprobs is not None:
+                    lp = logprobs_block(self._decode_one, self._token_logprobs(chunk), chat,
+                                        offsets[i] + len(text) - len(chunk.text))
+                offsets[i] += len(text)
                 if chat:
                     data = chat_chunk(rid, model, text, chunk.finish_reason, first=not started[i], provenance=prov,
-                                      index=i)
+                                      index=i, logprobs=lp)
                 else:
-                    data = completion_chunk(rid, model, text, chunk.finish_reason, provenance=prov, index=i)
+                    data = completion_chunk(rid, model, text, chunk.finish_reason, provenance=prov, index=i, logprobs=lp)
                 if include_usage:
                     data["usage"] = None
                 started[i] = True
@@ -519,3 +538,4 @@ class Router:
             log.exception("stream failed")
             yield f"data: {json.dumps(error_body(f'internal error: {type(e).__name__}', 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
+

@@ -415,12 +415,14 @@ class TargetServer:
                 finished = last.finish_reason is not None
                 if len(batch) == 1:
                     yield GenerateChunk(last.token_ids, last.text, last.finish_reason, last.drafted, last.accepted,
-                                        last.k, self.replica_id)
+                                        last.k, self.replica_id, logprobs=last.logprobs)
                 else:  # the reader fell behind: one chunk for every step that waited
                     yield GenerateChunk([t for u in batch for t in u.token_ids], "".join(u.text for u in batch),
                                         last.finish_reason, sum(u.drafted for u in batch),
                                         sum(u.accepted for u in batch), last.k, self.replica_id,
-                                        steps=tuple((len(u.token_ids), u.drafted, u.accepted) for u in batch))
+                                        steps=tuple((len(u.token_ids), u.drafted, u.accepted) for u in batch),
+                                        logprobs=None if last.logprobs is None else
+                                        [lp for u in batch for lp in (u.logprobs or [])])
         finally:
             if not finished:  # client gone, deadline passed, or the router cancelled us
                 self.loop.cancel(request.request_id)

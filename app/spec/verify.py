@@ -40,10 +40,23 @@ class RowToVerify:
     output: list[int] | None = None
 
 
+# per emitted token: (its log-probability, [(alternative, log-probability)] most likely first)
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass(frozen=True)
 class Verified:
     tokens: list[int]  # the accepted proposals and one target token: 1..k+1 tokens
     num_accepted: int
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits `[T, vocab]` (the target's raw distribution), tokens `[T]` -> each token's log-probability
+    `[T]` and the `top` most likely `[T, top]` (log-probabilities, ids), on the device."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [T, vocab]
+    values, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+    return lp.gather(1, tokens.view(-1, 1)).squeeze(1), values, ids
 
 
 def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified]:
@@ -70,8 +83,20 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
             history = (r.prompt or [], r.output or [], r.proposals) if r.sampling.penalised else None
             row = adjust_logits(logits[r.row, :len(r.proposals) + 1], r.sampling, r.first_output, r.banned, history)
             out[i] = _verify_greedy_row(row, r, T) if r.sampling.greedy else _verify_sampled(row, r, T)
-    host = out.tolist()  # the one host read of the step
-    return [Verified(h[:h[T] + 1], h[T]) for h in host]
+    wanted = [i for i, r in enumerate(rows) if r.sampling.logprobs is not None]
+    parts = []
+    for i in wanted:  # computed before the host read: queued behind the verification, read after it
+        top = rows[i].sampling.logprobs
+        width = len(rows[i].proposals) + 1
+        parts.append(token_logprobs(logits[rows[i].row, :width], out[i, :width], top))
+    host = out.tolist()  # the step's host read: every later read finds its data ready
+    results = [Verified(h[:h[T] + 1], h[T]) for h in host]
+    for i, (chosen, values, ids) in zip(wanted, parts):
+        n = len(results[i].tokens)
+        top = list(zip(ids[:n].tolist(), values[:n].tolist()))
+        results[i] = Verified(results[i].tokens, results[i].num_accepted,
+                              [(c, list(zip(a, b))) for c, (a, b) in zip(chosen[:n].tolist(), top)])
+    return results
 
 
 def _verify_greedy_row(logits: torch.Tensor, r: RowToVerify, T: int) -> torch.Tensor:

@@ -156,8 +156,8 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("audio", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio", None),
     ("suffix", C, completion(suffix="\n    return x\n"), 400, "suffix", None),
     # known fields the engine does not implement yet (app/openai_protocol.py NOT_SUPPORTED_YET)
-    ("logprobs_not_yet", C, completion(logprobs=1), 400, "logprobs", None),
-    ("chat_logprobs_not_yet", CHAT, chat(logprobs=True, top_logprobs=2), 400, "logprobs", None),
+    ("logprobs_over_20", C, completion(logprobs=21), 400, "logprobs", None),
+    ("chat_top_logprobs_over_20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     ("presence_penalty_out_of_range", C, completion(presence_penalty=2.5), 400, "presence_penalty", None),
     ("min_tokens_over_max_tokens", C, completion(min_tokens=9, max_tokens=8), 400, "min_tokens", None),
     ("response_format_not_yet", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format",

@@ -258,3 +258,21 @@ def test_max_completion_tokens_and_stop(client) -> None:
     for stop in (cut, [cut, "\x00never"]):
         out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
         assert out.choices[0].text == free[:free.index(cut)] and out.choices[0].finish_reason == "stop", stop
+
+
+def test_logprobs_through_the_client_with_speculation_on_and_off(client) -> None:
+    """logprobs from the target's distribution, the same whether the tokens were drafted or not."""
+    runs = {}
+    for spec in ({"speculation": "off"}, SPEC_K3):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2,
+                                        extra_body=spec)
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+        assert "".join(lp.tokens) == out.choices[0].text and lp.text_offset[0] == 0
+        assert all(len(top) <= 2 and max(top.values()) >= tl - 1e-6 for top, tl in zip(lp.top_logprobs, lp.token_logprobs))
+        runs[spec.get("speculation", "on")] = lp.token_logprobs
+    assert runs["off"] == pytest.approx(runs["on"], abs=1e-3)
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=1, stream=True)
+    content = [c for chunk in chat for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
+    assert len(content) == 6 and all(len(c.top_logprobs) == 1 and c.logprob <= 0 for c in content)

@@ -41,16 +41,30 @@ def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine() -> None:
     pen = completion(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2).sampling(16)
     assert (pen.presence_penalty, pen.frequency_penalty, pen.repetition_penalty) == (0.5, -1.0, 1.2)
     assert completion(min_p=0.1).sampling(16).min_p == 0.1
+    assert completion(logprobs=0).sampling(16).logprobs == 0 and completion().sampling(16).logprobs is None
+    assert chat(logprobs=True, top_logprobs=3).sampling(16).logprobs == 3
+    assert chat(logprobs=False, top_logprobs=3).sampling(16).logprobs is None
+
+
+def test_logprobs_blocks_have_openais_shapes() -> None:
+    from app.openai_protocol import logprobs_block
+
+    decode = {5: "ab", 6: "c", 7: "é"}.__getitem__
+    tokens = [(5, -0.1, [(5, -0.1), (6, -2.5)]), (7, -0.7, [(7, -0.7), (5, -1.0)])]
+    block = logprobs_block(decode, tokens, chat=False, text_offset=3)
+    assert block == {"tokens": ["ab", "é"], "token_logprobs": [-0.1, -0.7],
+                     "top_logprobs": [{"ab": -0.1, "c": -2.5}, {"é": -0.7, "ab": -1.0}], "text_offset": [3, 5]}
+    content = logprobs_block(decode, tokens, chat=True)["content"]
+    assert content[1] == {"token": "é", "logprob": -0.7, "bytes": [195, 169],
+                          "top_logprobs": [{"token": "é", "logprob": -0.7, "bytes": [195, 169]},
+                                           {"token": "ab", "logprob": -1.0, "bytes": [97, 98]}]}
+    assert logprobs_block(decode, None, chat=True) is None
     with pytest.raises(ValueError, match="min_tokens 9 is more than the 8 tokens"):
         completion(min_tokens=9, max_tokens=8).sampling(default_max_tokens=16)
 
 
 
 NOT_YET_CASES: list[tuple[Any, str, Any]] = [
-    (completion, "logprobs", 0),  # completions' 0 asks for the chosen token's logprob
-    (completion, "logprobs", 5),
-    (chat, "logprobs", True),
-    (chat, "top_logprobs", 3),
     (chat, "response_format", {"type": "json_object"}),
     (chat, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
 ]
@@ -108,10 +122,7 @@ def test_nested_unknown_keys_are_refused_with_their_path() -> None:
 
 
 def test_refusal_message_names_what_is_accepted() -> None:
-    assert refusal(completion, logprobs=2)["type"] == "not_supported_yet"
     assert refusal(chat, tool_choice="required")["msg"].endswith('send null or "none" or "auto"')
-    assert refusal(chat, logprobs=True)["msg"].endswith("send null or false")
-    assert refusal(completion, logprobs=2)["msg"].endswith("send null")  # no boolean hint for an int field
     assert refusal(chat, response_format={"type": "json_object"})["msg"].endswith('send null or {"type": "text"}')
 
 

@@ -106,3 +106,28 @@ def test_penalties_are_the_same_with_and_without_speculation(target_runner, draf
         assert on["drafted"] > 0 and on["tokens"] == off["tokens"], pen
         assert off["tokens"] != plain["tokens"], pen  # the penalty changed the output
         assert len(set(off["tokens"])) >= len(set(plain["tokens"])), pen  # and repeats no more
+
+
+def test_logprobs_are_the_targets_with_and_without_speculation(target_runner, draft_runner, encode, drive,
+                                                               plain_greedy):
+    import torch
+
+    ref = plain_greedy(encode(PROMPT), 16)
+
+    def logprobs(k: int) -> list:
+        engine = SpecEngine(target_runner, DraftModelProposer(runner=draft_runner) if k else None)
+        engine.add("s", encode(PROMPT), SamplingParams(max_tokens=16, logprobs=3), k=k)
+        got: list = []
+        while engine.has_work():
+            for u in engine.step():
+                assert u.logprobs is not None and len(u.logprobs) == len(u.token_ids)
+                got += list(zip(u.token_ids, u.logprobs))
+        return got
+
+    for k in (0, 4):
+        got = logprobs(k)
+        assert [t for t, _ in got] == ref.tokens[:len(got)]
+        for i, (token, (lp, alts)) in enumerate(got):
+            want = torch.log_softmax(ref.logits[i], dim=-1)
+            assert abs(lp - float(want[token])) < 1e-3, (k, i)
+            assert [a for a, _ in alts] == want.topk(3).indices.tolist() and alts[0][0] == token
