@@ -2,7 +2,7 @@
 
 Every field of a request is one of:
   - implemented: typed, range-checked and used (see `_Request` and its two subclasses). At the
-    router: `n` (choice i of a seeded request samples with seed + i), `best_of` equal to n, a
+    router: `n` (choice i of a seeded request samples with seed + i), `best_of` (the n best of that many), a
     list of prompts (text or token ids; choices prompt-major), `echo`, chat content as text
     parts, the `developer` role (given to the chat template as `system`), `max_completion_tokens`;
   - refused by name: a field the server does not implement set to anything but null or a value
@@ -234,7 +234,8 @@ class CompletionRequest(_Request):
         ..., description="text, token ids, or a list of either (several prompts: choices are indexed "
         "prompt-major, prompt i's choice j at i * n + j)")
     echo: bool = Field(False, description="each choice's text starts with its prompt")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n (ranking needs logprobs)")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="generate this many per prompt and return the n "
+                                "with the highest mean token log-probability (not with stream)")
     logprobs: int | None = Field(None, ge=0, le=20, description="each token's logprob and this many alternatives")
     suffix: str | None = None  # NOT_SUPPORTED unless empty
 
@@ -260,11 +261,8 @@ class CompletionRequest(_Request):
         n = info.data.get("n", 1)
         if v < n:
             raise ValueError(f"best_of ({v}) must be at least n ({n})")
-        if v > n:
-            raise PydanticCustomError(
-                "not_supported_yet", "best_of > n is not supported yet: picking the best of several "
-                "generations ranks them by log probability, which the engine does not compute yet; "
-                "send best_of equal to n ({n}) or leave it out", {"n": n})
+        if v > n and info.data.get("stream"):
+            raise ValueError(f"best_of ({v}) > n ({n}) cannot stream: the best are known only at the end")
         return v
 
     def prompts(self) -> list[str | list[int]]:
@@ -403,6 +401,13 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 TokenLogprobs = list[tuple[int, float, list[tuple[int, float]]]]  # per token: (id, logprob, alternatives)
+
+
+def best_of_order(scores: list[list[float]], n: int) -> list[int]:
+    """best_of: the indices of the n generations with the highest mean token log-probability (each
+    `scores[i]` holds generation i's token log-probabilities), best first, as OpenAI's."""
+    mean = [sum(s) / len(s) if s else float("-inf") for s in scores]
+    return sorted(range(len(scores)), key=lambda i: -mean[i])[:n]
 
 
 def logprobs_block(decode: Callable[[int], str], tokens: TokenLogprobs | None, chat: bool,

@@ -9,6 +9,7 @@ stream continues where it stopped.
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -29,8 +30,8 @@ from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.runners.loading import load_tokenizer
 from app.openai_protocol import (
     UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-    TokenizeRequest, chat_chunk, chat_response, completion_chunk, completion_response, error_body, logprobs_block,
-    new_id,
+    TokenizeRequest, best_of_order, chat_chunk, chat_response, completion_chunk, completion_response, error_body,
+    logprobs_block, new_id,
     template_messages, tokenize_model,
 )
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
@@ -343,20 +344,26 @@ class Router:
         except RequestError as e:
             return e.response()
         rid = new_id("chatcmpl" if chat else "cmpl")
-        # n generations per prompt, prompt-major (choice index = prompt index * n + j), as OpenAI's
+        # n generations per prompt, prompt-major (choice index = prompt index * n + j), as OpenAI's;
+        # with best_of > n, best_of per prompt of which the n best are returned
+        per_prompt = max(body.n, getattr(body, "best_of", None) or 0)
+        ranked = per_prompt > body.n
         runs: list[RequestRun] = []
         for (prompt_ids, text), room in zip(prompts, rooms):
             default_max = min(DEFAULT_MAX_TOKENS, room)
             sampling = body.sampling(default_max_tokens=default_max)
             decision = self._decide(body, sampling, len(prompt_ids), text, chat)
             max_k, adaptive = self.policy.engine_depth(decision, sampling.max_tokens)
-            for j in range(body.n):
-                gen = GenerateRequest(rid if len(prompts) * body.n == 1 else f"{rid}-{len(runs)}", prompt_ids,
-                                      body.sampling(default_max_tokens=default_max, choice=j), max_k,
+            for j in range(per_prompt):
+                choice_sampling = body.sampling(default_max_tokens=default_max, choice=j)
+                if ranked and choice_sampling.logprobs is None:  # best_of ranks by the tokens' logprobs
+                    choice_sampling = choice_sampling.model_copy(update={"logprobs": 0})
+                gen = GenerateRequest(rid if len(prompts) * per_prompt == 1 else f"{rid}-{len(runs)}", prompt_ids,
+                                      choice_sampling, max_k,
                                       self.config.engine.limits.request_timeout_s, adaptive=adaptive,
                                       alpha_prior=decision.alpha)
                 runs.append(RequestRun(self, gen, decision, body.speculation, classify_prompt(text, chat=chat),
-                                       shares_request=len(prompts) * body.n > 1, count_prompt=j == 0))
+                                       shares_request=len(prompts) * per_prompt > 1, count_prompt=j == 0))
         echoes = [text for _, text in prompts for _ in range(body.n)] if not chat and body.echo else None
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
         # one line per request: Serve's JSON log record carries its request_id beside completion_id
@@ -374,6 +381,15 @@ class Router:
             outputs = await collect(runs)
         except RequestError as e:
             return e.response()
+        if ranked:  # keep each prompt's n best generations, best first
+            keep = []
+            for p in range(len(prompts)):
+                group = outputs[p * per_prompt:(p + 1) * per_prompt]
+                scores = [[lp for c in chunks for lp, _ in (c.logprobs or [])] for chunks in group]
+                keep += [p * per_prompt + i for i in best_of_order(scores, body.n)]
+            outputs = [outputs[i] for i in keep]
+            if body.logprob_count() is None:  # asked for by the ranking only
+                outputs = [[dataclasses.replace(c, logprobs=None) for c in chunks] for chunks in outputs]
         choices, blocks = [], []
         for i, chunks in enumerate(outputs):
             text_out = (echoes[i] if echoes else "") + "".join(c.text for c in chunks)

@@ -86,7 +86,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("n_too_many", C, completion(n=17), 400, "n", None),
     ("chat_n_too_many", CHAT, chat(n=100), 400, "n", None),
     ("best_of_below_n", C, completion(n=3, best_of=2), 400, "best_of", None),
-    ("best_of_above_n", C, completion(best_of=2), 400, "best_of", None),  # ranking needs logprobs
+    ("best_of_above_n_streaming", C, completion(best_of=2, stream=True), 400, "best_of", None),
     ("chat_best_of", CHAT, chat(best_of=1), 400, "best_of", None),  # a completions field
     ("too_many_prompts", C, completion(prompt=["a"] * 33), 400, "prompt", None),
     ("too_many_generations", C, completion(prompt=["a", "b", "c"], n=16), 400, "prompt", None),

@@ -229,12 +229,20 @@ def test_echo(client) -> None:
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
 
 
-def test_best_of_equal_to_n_and_refused_above(client) -> None:
-    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+def test_best_of_returns_the_n_most_likely_of_best_of(client) -> None:
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11)
     assert len(client.completions.create(n=2, best_of=2, **kw).choices) == 2
+    all4 = client.completions.create(n=4, logprobs=0, **kw)  # seeds 11..14: the same four generations
+    best = client.completions.create(n=2, best_of=4, logprobs=0, **kw)
+    mean = lambda c: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)  # noqa: E731
+    ranked = sorted(all4.choices, key=mean, reverse=True)[:2]
+    assert [c.text for c in best.choices] == [c.text for c in ranked]
+    assert best.usage.completion_tokens == all4.usage.completion_tokens  # every candidate is generated
+    plain = client.completions.create(n=1, best_of=3, **kw)
+    assert len(plain.choices) == 1 and plain.choices[0].logprobs is None  # ranked, but not asked for
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(best_of=3, **kw)
-    assert bad.value.param == "best_of" and "not supported yet" in bad.value.message
+        client.completions.create(best_of=3, stream=True, **kw)
+    assert bad.value.param == "best_of" and "cannot stream" in bad.value.message
 
 
 def test_chat_text_parts_and_developer_role(client) -> None:

@@ -194,8 +194,16 @@ def test_n_and_best_of() -> None:
     assert refusal(chat, n=17)["loc"] == ("n",)
     assert completion(n=3, best_of=3).best_of == 3
     assert refusal(completion, n=3, best_of=2)["loc"] == ("best_of",)
-    err = refusal(completion, best_of=2)
-    assert err["loc"] == ("best_of",) and err["type"] == "not_supported_yet"
+    assert completion(best_of=2).best_of == 2
+    assert "cannot stream" in refusal(completion, best_of=2, stream=True)["msg"]
+
+
+def test_best_of_keeps_the_highest_mean_logprob() -> None:
+    from app.openai_protocol import best_of_order
+
+    scores = [[-1.0, -1.0], [-0.1], [-3.0, -0.1, -0.2], []]  # means -1, -0.1, -1.1, none
+    assert best_of_order(scores, 2) == [1, 0]
+    assert best_of_order(scores, 4) == [1, 0, 2, 3]
 
 
 def test_echo_is_a_completions_field() -> None:
