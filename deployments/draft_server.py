@@ -9,7 +9,9 @@ that lost a sequence answers *miss* and is sent the full token ids (app/draft_pr
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
 import ray
@@ -26,6 +28,14 @@ from deployments.metrics_ray import ServeMetrics
 # rows of the draft's cache per target sequence slot: one draft replica serves several target replicas,
 # and a sequence it no longer has room for is evicted and rebuilt on its next miss
 DRAFT_ROWS_PER_TARGET_SEQ = 2
+
+
+# A target replica stepping against a draft replica holds one `lease` call open there, so Serve's
+# autoscaler, which counts ongoing requests, sees the draft pool's load although the steps travel
+# over the draft channel: the lease ends once the target has sent no step for LEASE_IDLE_S, or
+# after LEASE_MAX_S (then the target opens another: a draining replica is never held long).
+LEASE_IDLE_S = 1.0
+LEASE_MAX_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -54,14 +64,25 @@ class DraftServer:
         # torch work is synchronous: serialise steps from several target replicas
         self.lock = threading.Lock()
         self.metrics = ServeMetrics(model_name=app_config.model_name)
+        self.last_step: dict[str, float] = {}  # target replica -> when its last step arrived (leases)
         self.server = DraftChannelServer(self._step, advertise_host=ray.util.get_node_ip_address())
 
     def _step(self, request: DraftStepRequest) -> DraftStepResponse:
+        if request.seqs:
+            self.last_step[request.client_id] = time.monotonic()
         with self.lock:
             response = self.worker.step(request)
         if request.seqs:
             self.metrics.observe_step("draft", response.draft_time_s)
         return response
+
+    async def lease(self, request: ChannelRequest) -> None:
+        """Held open by a target replica while it drafts here (see LEASE_IDLE_S): one ongoing request
+        per busy target replica is the load Serve's autoscaler scales the draft pool on."""
+        start = time.monotonic()
+        while (time.monotonic() - self.last_step.get(request.client_id, 0.0) < LEASE_IDLE_S
+               and time.monotonic() - start < LEASE_MAX_S):
+            await asyncio.sleep(LEASE_IDLE_S / 4)
 
     def channel(self, request: ChannelRequest) -> ChannelInfo:
         """Where a target replica sends its steps (the data plane), and the token it must present."""

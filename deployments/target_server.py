@@ -62,6 +62,8 @@ class RemoteDraftTransport:
         self.channel = DraftChannelClient(self._resolve, timeout_s=DRAFT_CALL_TIMEOUT_S)
         self.down_until = 0.0
         self.failures = 0  # consecutive failed calls
+        self._lease = None  # the open DraftServer.lease call (deployments/draft_server.py): the pool's load
+        self._lease_checked = 0.0
 
     def _resolve(self) -> tuple[str, int, str]:
         response = self.handle.channel.remote(ChannelRequest(self.client_id))
@@ -87,7 +89,24 @@ class RemoteDraftTransport:
             log.warning("draft call failed (%s); decoding plainly for %.1fs", e, wait)
             raise
         self.failures = 0
+        self._keep_lease()
         return result
+
+    def _keep_lease(self) -> None:
+        """While this replica drafts, keep one lease call open on its draft replica (checked twice a
+        second: a finished call is renewed)."""
+        now = time.monotonic()
+        if self._lease is not None and now - self._lease_checked < 0.5:
+            return
+        self._lease_checked = now
+        if self._lease is not None:
+            try:
+                self._lease.result(timeout_s=0)
+            except TimeoutError:
+                return  # still open
+            except Exception:  # noqa: BLE001 — the replica went away: open one on whichever answers now
+                pass
+        self._lease = self.handle.lease.remote(ChannelRequest(self.client_id))
 
 
 class StepWindow:
