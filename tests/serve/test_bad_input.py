@@ -254,8 +254,9 @@ def test_boundaries_are_accepted(client: httpx.Client) -> None:
 
 
 def test_refusal_says_why(client: httpx.Client) -> None:
-    err = assert_openai_error(client.post(C, json=completion(presence_penalty=0.5)), 400, "presence_penalty")
-    assert "not supported yet" in err["message"] and err["message"].startswith("presence_penalty")
+    err = assert_openai_error(client.post(CHAT, json=chat(response_format={"type": "json_object"})), 400,
+                              "response_format")
+    assert "not supported yet" in err["message"] and err["message"].startswith("response_format")
     err = assert_openai_error(client.post(CHAT, json=chat(tools=[{"type": "function"}])), 400, "tools")
     assert "tool calling is not supported" in err["message"]
     err = assert_openai_error(client.post(C, json=completion(frobnicate=1)), 400, "frobnicate")
