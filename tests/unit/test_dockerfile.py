@@ -112,7 +112,9 @@ def test_image_name_matches_the_manifest_and_make_image() -> None:
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make missing")
 def test_make_image_builds_that_tag() -> None:
-    out = subprocess.run(["make", "-n", "image"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    # --no-print-directory: under `make test` (a parent make) make would also print the directory it enters
+    out = subprocess.run(["make", "-n", "--no-print-directory", "image"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
     assert out.strip() == f"docker build -t {IMAGE} ."
 
 
