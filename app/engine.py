@@ -234,14 +234,14 @@ class SpecEngine:
         return updates
 
     def _prefill_chunks(self) -> list[SeqUpdate]:
-        """Prefill admitted prompts, oldest first, up to `prefill_chunk` tokens in all (at least one
-        chunk, so a prompt longer than the budget still advances), in one batched pass; emit each
-        completed prompt's first token."""
+        """Prefill admitted prompts, oldest first, up to `prefill_chunk` tokens in all (a prompt longer
+        than that advances a chunk a step), in one batched pass; emit each completed prompt's first
+        token."""
         seqs, chunks, budget = [], [], self.prefill_chunk
         for seq in [s for s in self.running.values() if s.prefilled < len(s.prompt_ids)]:
             if budget <= 0:
                 break
-            n = min(len(seq.prompt_ids) - seq.prefilled, max(budget, 1))
+            n = min(len(seq.prompt_ids) - seq.prefilled, budget)
             seqs.append(seq)
             chunks.append(seq.prompt_ids[seq.prefilled:seq.prefilled + n])
             budget -= n
