@@ -145,7 +145,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
      "num_speculative_tokens", None),
     ("num_speculative_tokens_fractional", C, completion(num_speculative_tokens=2.5), 400,
      "num_speculative_tokens", None),
-    # fields the server does not implement: refused by name, never silently ignored (issue 48)
+    # fields the server does not implement: refused by name, never silently ignored
     ("unknown_field", C, completion(frobnicate=1), 400, "frobnicate", None),
     ("chat_unknown_field", CHAT, chat(guided_json={"type": "object"}), 400, "guided_json", None),
     ("unknown_message_field", CHAT, chat(messages=[{"role": "user", "content": "hi", "name": "bob"}]), 400,

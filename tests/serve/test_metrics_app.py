@@ -126,7 +126,7 @@ def test_spec_decode_router_latency_and_load_metrics(app: AppProcess) -> None:
     with httpx.Client() as client:
         for mode in ("off", "off", "auto", "auto"):
             usages.append(_complete(client, url, PROMPTS[0], mode, 24))
-        # errors by status (issue 51): an unknown model (404) and a bad field (400)
+        # errors by status: an unknown model (404) and a bad field (400)
         bad = {"model": "no-such-model", "prompt": "x", "max_tokens": 4}
         assert client.post(f"{url}/v1/completions", json=bad, timeout=30).status_code == 404
         bad = {"model": MODEL, "prompt": "x", "max_tokens": -1}
@@ -191,7 +191,7 @@ def test_spec_decode_router_latency_and_load_metrics(app: AppProcess) -> None:
         counts = [v for _, v in buckets]
         assert counts == sorted(counts) and counts[-1] == count
         assert total(samples, hist.series("sum")) > 0
-    # Request-level series (issue 51), recorded by the router, labelled with the served model.
+    # Request-level series, recorded by the router, labelled with the served model.
     router = {"deployment": "Router", "model_name": MODEL}
     assert total(samples, m.PROMPT_TOKENS.exported, **router) == sum(u["prompt_tokens"] for u in usages)
     assert total(samples, m.GENERATION_TOKENS.exported, **router) == sum(u["completion_tokens"] for u in usages)

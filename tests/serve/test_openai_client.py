@@ -145,7 +145,7 @@ def test_defaults_of_unimplemented_fields_keep_working(client) -> None:
     assert out.choices[0].message.content == plain.choices[0].message.content
 
 
-# ---- n, best_of, several prompts, echo, text parts, developer role (issue 48) --------------------
+# ---- n, best_of, several prompts, echo, text parts, developer role --------------------
 def _by_index(chunks, chat: bool = False) -> dict[int, str]:
     """Each choice's streamed text, by choice index."""
     texts: dict[int, str] = {}

@@ -90,7 +90,7 @@ class MetricsProbe:
             self.metrics.observe_step(kind, seconds)
         self.metrics.record_step_mode("on")
         self.metrics.set_load(running=3, queue=2, kv_tokens=512, kv_seqs=3)
-        # issue 51: request-level metrics (router side, then target side)
+        # request-level metrics (router side, then target side)
         self.metrics.record_prompt_tokens(17)
         self.metrics.record_prompt_tokens(0)  # skipped, like every zero increment
         self.metrics.record_generation_tokens(5)

@@ -1,4 +1,4 @@
-"""The real Router under Serve, wired for operations (issue 51), against a stub target deployment
+"""The real Router under Serve, wired for operations, against a stub target deployment
 (no model loads: the router's tokenizer only, so this module is cheap):
 - the optional API key: the key reaches the router replica through its environment (here a Ray
   runtime_env; on Kubernetes a Secret), never the config; 401 with OpenAI's error JSON without it,

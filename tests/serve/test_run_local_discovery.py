@@ -1,4 +1,4 @@
-"""`make run`'s Ray is findable by Prometheus (issue 51): `deployments.run_local.start_ray` starts the
+"""`make run`'s Ray is findable by Prometheus: `deployments.run_local.start_ray` starts the
 dashboard, which writes Ray's file_sd JSON (`/tmp/ray/prom_metrics_service_discovery.json`, read
 by cluster/prometheus/prometheus.yml) listing this node's metrics export port, and that port serves /metrics.
 

@@ -1,4 +1,4 @@
-"""`serve deploy` of a Serve-shaped config updates the running application in place (issue 51).
+"""`serve deploy` of a Serve-shaped config updates the running application in place.
 
 configs/local.yaml's application is deployed the way `serve deploy` (and `serve run FILE`) deploy
 it: as a declarative config through the Serve controller's apply_config, so Serve builds it from

@@ -1,4 +1,4 @@
-"""The optional API key (issue 51): app/api_key.py's check, and the router's ASGI middleware on a
+"""The optional API key: app/api_key.py's check, and the router's ASGI middleware on a
 small Starlette app (401 with OpenAI's error JSON, /health open, streams untouched). The real
 router under Serve: tests/serve/test_router_ops.py."""
 

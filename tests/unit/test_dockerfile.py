@@ -1,4 +1,4 @@
-"""The Dockerfile builds the image cluster/kuberay-rayservice.yaml names (issue 51): parsed, not built
+"""The Dockerfile builds the image cluster/kuberay-rayservice.yaml names: parsed, not built
 (no Docker daemon here). Base image = Ray's GPU image at the pinned Ray version; CUDA torch from
 PyTorch's CUDA index before the package; the package with its runtime dependencies only; the tag
 `make image` builds is the one every pod of the RayService runs; HF_HOME lies on the model cache

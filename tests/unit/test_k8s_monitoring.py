@@ -1,4 +1,4 @@
-"""Kubernetes monitoring manifests (issue 51): the PodMonitor finds every Ray pod of the RayService
+"""Kubernetes monitoring manifests: the PodMonitor finds every Ray pod of the RayService
 on its metrics port; the PrometheusRule and the Grafana dashboard ConfigMap are what
 `python -m cluster.k8s_monitoring` renders from the rules file and the dashboard generator.
 """

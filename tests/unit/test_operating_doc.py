@@ -1,4 +1,4 @@
-"""docs/OPERATING.md stays true to the tree (issue 51): the files, tests and environment variables it
+"""docs/OPERATING.md stays true to the tree: the files, tests and environment variables it
 names exist, its metric table lists every exported specserve series, its alert table every alert."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What `make run` and `make test` install (issue 51): serving gets the runtime dependencies only,
+"""What `make run` and `make test` install: serving gets the runtime dependencies only,
 testing the extras; every third-party module the served code imports is a declared runtime
 dependency, and nothing only benches or tests use is one.
 """

@@ -1,4 +1,4 @@
-"""The router's request-level metrics (issue 51), recorded by deployments/request_run.RequestRun:
+"""The router's request-level metrics, recorded by deployments/request_run.RequestRun:
 prompt and generation tokens, TTFT, ITL, e2e latency, requests by finished_reason (abort when the
 client goes away), failovers. Fakes stand in for the target handle and the router; no Ray starts.
 """

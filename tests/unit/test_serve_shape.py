@@ -1,4 +1,4 @@
-"""Serve configs in Serve's own shape (issue 51): what `serve deploy` does with them, without a cluster.
+"""Serve configs in Serve's own shape: what `serve deploy` does with them, without a cluster.
 
 - configs/*.yaml keep only the model and engine in `args` (Ray hashes args into the application's
   code version) and every deployment's options under `deployments:`. Serve's own override of a

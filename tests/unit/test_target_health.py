@@ -1,4 +1,4 @@
-"""app/health.py: the router's verdicts from its target probes (issue 51)."""
+"""app/health.py: the router's verdicts from its target probes."""
 
 from __future__ import annotations
 
