@@ -456,19 +456,19 @@ def chat_response(rid: str, model: str, choices: list[tuple[str, str | None]], u
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None,
-                     provenance: list[dict[str, Any]] | None = None, index: int = 0,
+                     provenance: dict[str, Any] | None = None, index: int = 0,
                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
         "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}],
     }
     if provenance is not None:
-        chunk["specserve"] = {"tokens": provenance}  # extension field; OpenAI clients ignore it
+        chunk["specserve"] = provenance  # extension field; OpenAI clients ignore it
     return chunk
 
 
 def chat_chunk(rid: str, model: str, text: str | None, finish: str | None, first: bool = False,
-               provenance: list[dict[str, Any]] | None = None, index: int = 0,
+               provenance: dict[str, Any] | None = None, index: int = 0,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if first:
@@ -480,5 +480,5 @@ def chat_chunk(rid: str, model: str, text: str | None, finish: str | None, first
         "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
     }
     if provenance is not None:
-        chunk["specserve"] = {"tokens": provenance}
+        chunk["specserve"] = provenance
     return chunk

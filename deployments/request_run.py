@@ -260,12 +260,15 @@ class RequestRun:
                      total_tokens=n_prompt + len(self.tokens), speculation=spec)
 
 
-def provenance(tokenizer, chunk: GenerateChunk) -> list[dict[str, Any]]:
-    """Per-token origin for the playground: the first `accepted` tokens came from the draft."""
-    return [
+def provenance(tokenizer, chunk: GenerateChunk) -> dict[str, Any]:
+    """The stream's `specserve` extension: per-token origin (the first `accepted` tokens of each
+    engine step came from the draft) and the number of tokens of each engine step in the chunk
+    (a slow reader's chunk carries several steps)."""
+    tokens = [
         {"id": t, "text": tokenizer.decode([t]), "origin": "draft" if drafted else "target"}
         for t, drafted in zip(chunk.token_ids, chunk.origins())
     ]
+    return {"tokens": tokens, "steps": [n for n, _, _ in chunk.parts()]}
 
 
 def _with_own_serve_id(call, *args):

@@ -58,7 +58,12 @@ def _collect(stream, chat: bool) -> dict[str, Any]:
         ext = _extra(chunk, "specserve")
         if chunk.choices:
             assert ext is not None and isinstance(ext.get("tokens"), list), chunk
-            out["steps"].append(ext["tokens"])
+            # a chunk may carry several engine steps (coalesced for a slow reader): split by them
+            assert sum(ext["steps"]) == len(ext["tokens"]), ext
+            start = 0
+            for n in ext["steps"]:
+                out["steps"].append(ext["tokens"][start:start + n])
+                start += n
         else:
             assert ext is None  # the closing usage chunk carries no tokens
     return out
