@@ -89,12 +89,14 @@ class DraftServer:
         host, port = self.server.address
         return ChannelInfo(host, port, self.server.token)
 
-    def set_references(self, references: list[list[int]], alpha: float | None) -> None:
+    def set_references(self, references: list[list[int]], alpha: float | dict[str, float] | None,
+                       classes: list[str] | None = None) -> None:
         """Benchmarks only (random-weight models agree on nothing): propose the target's own greedy
         continuation of these sequences with probability alpha per token, while the draft model still
-        runs every step (app/proposers/oracle.py ReferenceProposer). alpha None turns it off."""
+        runs every step (app/proposers/oracle.py ReferenceProposer). alpha may be one per prompt class,
+        with `classes` naming each reference's class. alpha None turns it off."""
         with self.lock:
-            self.reference.set_references(references, alpha)
+            self.reference.set_references(references, alpha, classes)
 
     def num_cached_sequences(self) -> int:
         return self.proposer.num_cached_sequences()

@@ -10,6 +10,7 @@ speed is measured at controlled acceptance while paying the real draft's cost).
 from __future__ import annotations
 
 import random
+import zlib
 
 from app.proposers.base import Proposal, ProposalRequest, Proposer
 from app.spec.sampling import uniform
@@ -57,19 +58,39 @@ class ReferenceProposer(Proposer):
     real, KV cache included), then for a sequence whose prompt has a loaded reference (the target's
     greedy continuation, from a plain run) the proposal at position p becomes reference[p] with
     probability alpha and a wrong token otherwise. References are keyed by the first KEY_TOKENS
-    tokens of the prompt; a coin is fixed by (sequence, position). Without references or alpha it
-    proposes what the draft proposes."""
+    tokens of the prompt (prompts must be at least that long); a coin is fixed by (sequence,
+    position). Without references or alpha it proposes what the draft proposes.
+
+    Alpha may differ per prompt class (`set_references(refs, {"code": 0.8, "prose": 0.35},
+    classes)`), each reference naming its prompt's class as the router's classifier
+    (app.policy.classify_prompt) sees the prompt: mixed traffic where speculation pays for one
+    class and not for another, which a per-request policy has to tell apart. A reference whose
+    class has no alpha gets the draft's own proposals."""
 
     KEY_TOKENS = 32
 
     def __init__(self, draft: Proposer, vocab_size: int) -> None:
         self.draft = draft
         self.vocab_size = vocab_size
-        self.references: dict[tuple[int, ...], list[int]] = {}
-        self.alpha: float | None = None
+        # prompt key -> (reference ids, that reference's alpha)
+        self.references: dict[tuple[int, ...], tuple[list[int], float]] = {}
+        self.alpha: float | dict[str, float] | None = None
 
-    def set_references(self, references: list[list[int]], alpha: float | None) -> None:
-        self.references = {tuple(r[:self.KEY_TOKENS]): list(r) for r in references}
+    def set_references(self, references: list[list[int]], alpha: float | dict[str, float] | None,
+                       classes: list[str] | None = None) -> None:
+        """`alpha`: one probability for every reference, or one per prompt class with `classes`
+        giving each reference's class (the same length as `references`); None turns it off."""
+        if isinstance(alpha, dict):
+            if classes is None or len(classes) != len(references):
+                raise ValueError("a per-class alpha needs one class per reference")
+            per_ref: list[float | None] = [alpha.get(c) for c in classes]
+        else:
+            per_ref = [alpha] * len(references)
+        for a in per_ref:
+            if a is not None and not 0.0 <= a <= 1.0:
+                raise ValueError(f"alpha must be in [0, 1], got {a}")
+        self.references = {tuple(r[:self.KEY_TOKENS]): (list(r), a) for r, a in zip(references, per_ref)
+                           if a is not None}
         self.alpha = alpha
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
@@ -79,16 +100,20 @@ class ReferenceProposer(Proposer):
             return proposals
         out = []
         for r, p in zip(requests, proposals):
-            ref = self.references.get(tuple(r.token_ids[:self.KEY_TOKENS]))
-            if ref is None or not p.tokens:
+            found = self.references.get(tuple(r.token_ids[:self.KEY_TOKENS]))
+            if found is None or not p.tokens:
                 out.append(p)
                 continue
+            ref, alpha = found
+            # a stable hash of the sequence id (Python's str hash changes per process): the coins of a
+            # sequence are the same in every replica and every run
+            seed = zlib.crc32(r.seq_id.encode())
             tokens = []
             for j in range(len(p.tokens)):
                 pos = len(r.token_ids) + j
                 right = ref[pos] if pos < len(ref) else 0
-                coin = uniform(hash(r.seq_id) & (2**62 - 1), pos, "reference")
-                tokens.append(right if coin < self.alpha else (right + 1) % self.vocab_size)
+                coin = uniform(seed, pos, "reference")
+                tokens.append(right if coin < alpha else (right + 1) % self.vocab_size)
             out.append(Proposal(tokens))
         return out
 
