@@ -54,8 +54,9 @@ class Sequence:
     seed: int
     k: int  # the most drafts per step for this request; 0 = plain decoding
     stop: StopChecker
-    prefilled: int = 0  # prompt tokens in the runner's cache before the first token is emitted
-    output_ids: list[int] = field(default_factory=list)
+    prefilled: int = 0  # tokens in the runner's cache before the first token is emitted
+    output_ids: list[int] = field(default_factory=list)  # a failed-over sequence starts with what was streamed
+    prefill_len: int = 0  # prompt (+ resumed output) tokens to prefill before the first emitted token
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     finish_reason: FinishReason | None = None
     step_k: int = 0  # the depth used at the last step (adaptive k may move it)
@@ -70,6 +71,10 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.sampling.max_tokens - len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prefill_len
 
     def reserved_tokens(self) -> int:
         """KV tokens this sequence may come to hold (admission reserves it all up front)."""
@@ -144,13 +149,20 @@ class SpecEngine:
         k: int = 0,
         adaptive: bool = False,
         alpha_prior: float | None = None,
+        output_ids: list[int] | None = None,
     ) -> None:
         """Queue a request; raises ValueError for bad input and Overloaded when the queue is full.
 
         `k`: most drafts per step (0: never speculate). `adaptive`: the step planner may use any
-        depth in 0..k at each step; otherwise the sequence drafts k every step (a forced 'on')."""
+        depth in 0..k at each step; otherwise the sequence drafts k every step (a forced 'on').
+        `output_ids`: the output already streamed by a replica that failed; generation resumes
+        after it as if uninterrupted (max_tokens, min_tokens, penalties and the response format
+        count it; randomness is per position), and only new tokens are emitted."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
+        resumed = list(output_ids or [])
+        if len(resumed) >= sampling.max_tokens:
+            raise ValueError(f"{len(resumed)} tokens already generated, max_tokens is {sampling.max_tokens}")
         if seq_id in self.running or any(s.seq_id == seq_id for s in self.waiting):
             raise ValueError(f"sequence {seq_id!r} already exists")
         need = len(prompt_ids) + sampling.max_tokens
@@ -171,7 +183,8 @@ class SpecEngine:
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         k = min(k, self.max_k) if self.proposer is not None else 0
         stop = StopChecker(self.runner.tokenizer, sampling.stop)
-        self.waiting.append(Sequence(seq_id, list(prompt_ids), sampling, seed, k, stop,
+        self.waiting.append(Sequence(seq_id, list(prompt_ids), sampling, seed, k, stop, output_ids=resumed,
+                                     prefill_len=len(prompt_ids) + len(resumed),
                                      adaptive=adaptive, alpha_prior=alpha_prior))
 
     def abort(self, seq_id: str) -> bool:
@@ -218,7 +231,7 @@ class SpecEngine:
         times = StepTimes()
         t0 = time.perf_counter()
         # Decoding sequences step first; prompts are prefilled after, and join the next step.
-        batch = [s for s in self.running.values() if s.prefilled == len(s.prompt_ids)]
+        batch = [s for s in self.running.values() if not s.prefilling]
         if batch:
             updates += self._decode_step(batch, times)
         t1 = time.perf_counter()
@@ -238,12 +251,12 @@ class SpecEngine:
         than that advances a chunk a step), in one batched pass; emit each completed prompt's first
         token."""
         seqs, chunks, budget = [], [], self.prefill_chunk
-        for seq in [s for s in self.running.values() if s.prefilled < len(s.prompt_ids)]:
+        for seq in [s for s in self.running.values() if s.prefilling]:
             if budget <= 0:
                 break
-            n = min(len(seq.prompt_ids) - seq.prefilled, budget)
+            n = min(seq.prefill_len - seq.prefilled, budget)
             seqs.append(seq)
-            chunks.append(seq.prompt_ids[seq.prefilled:seq.prefilled + n])
+            chunks.append(seq.token_ids[seq.prefilled:seq.prefilled + n])
             budget -= n
         if not seqs:
             return []
@@ -251,9 +264,9 @@ class SpecEngine:
         updates = []
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
             seq.prefilled += len(chunk)
-            if seq.prefilled == len(seq.prompt_ids):
-                chosen = sample_token(logits[i], seq.sampling, seq.seed, len(seq.prompt_ids), 0, self._banned(seq),
-                                      (seq.prompt_ids, [], []))
+            if not seq.prefilling:
+                chosen = sample_token(logits[i], seq.sampling, seq.seed, seq.prefill_len, len(seq.output_ids),
+                                      self._banned(seq), (seq.prompt_ids, seq.output_ids, []))
                 logprobs = None
                 if seq.sampling.logprobs is not None:
                     lp, values, ids = token_logprobs(logits[i:i + 1], chosen.view(1), seq.sampling.logprobs)

@@ -41,12 +41,14 @@ class EngineLoop:
         self.thread.start()
 
     def submit(self, seq_id: str, prompt_ids: list[int], sampling: SamplingParams, k: int,
-               adaptive: bool = False, alpha_prior: float | None = None) -> asyncio.Queue:
+               adaptive: bool = False, alpha_prior: float | None = None,
+               output_ids: list[int] | None = None) -> asyncio.Queue:
         """Queue a sequence (SpecEngine.add's arguments); raises ValueError / Overloaded
         synchronously. Call from the event loop."""
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
-            self.engine.add(seq_id, prompt_ids, sampling, k, adaptive=adaptive, alpha_prior=alpha_prior)
+            self.engine.add(seq_id, prompt_ids, sampling, k, adaptive=adaptive, alpha_prior=alpha_prior,
+                            output_ids=output_ids)
             self.queues[seq_id] = (asyncio.get_running_loop(), queue)
         self.wake.set()
         return queue

@@ -10,12 +10,14 @@ from app.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
-    prompt_ids: list[int]  # on failover: the original prompt + every token already streamed
-    sampling: SamplingParams  # on failover: max_tokens reduced by what was streamed
+    prompt_ids: list[int]
+    sampling: SamplingParams
     k: int  # most drafts per step (0 = plain)
     timeout_s: float
     adaptive: bool = False  # 'auto': the engine's step planner picks 0..k each step; else k always
     alpha_prior: float | None = None  # the router's acceptance estimate for the prompt's class
+    # on failover: the tokens already streamed; the new replica resumes after them (SpecEngine.add)
+    output_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,10 @@ class RequestRun:
 
     def _open(self) -> AsyncIterator[GenerateChunk]:
         r = self.request
-        sampling = r.sampling.model_copy(update={"max_tokens": r.sampling.max_tokens - len(self.tokens)})
-        # a re-issued request gets what is left of the deadline, not a fresh one
+        # a re-issued request resumes after what was streamed, with what is left of the deadline
         timeout_s = max(0.05, self.deadline - time.monotonic())
         req = dataclasses.replace(r, request_id=f"{r.request_id}-{uuid.uuid4().hex[:6]}",
-                                  prompt_ids=r.prompt_ids + self.tokens, sampling=sampling, timeout_s=timeout_s)
+                                  output_ids=tuple(self.tokens), timeout_s=timeout_s)
         call = self.router.target.options(stream=True).generate.remote
         self._response = _with_own_serve_id(call, req) if self.shares_request else call(req)
         return self._response.__aiter__()

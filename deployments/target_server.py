@@ -420,7 +420,8 @@ class TargetServer:
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         try:
             queue = self.loop.submit(request.request_id, request.prompt_ids, request.sampling, request.k,
-                                     adaptive=request.adaptive, alpha_prior=request.alpha_prior)
+                                     adaptive=request.adaptive, alpha_prior=request.alpha_prior,
+                                     output_ids=list(request.output_ids))
         except Overloaded as e:
             yield GenerateChunk([], "", None, error=f"server overloaded: {e}", status=429, replica=self.replica_id)
             return

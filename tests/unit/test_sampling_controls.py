@@ -131,3 +131,21 @@ def test_logprobs_are_the_targets_with_and_without_speculation(target_runner, dr
             want = torch.log_softmax(ref.logits[i], dim=-1)
             assert abs(lp - float(want[token])) < 1e-3, (k, i)
             assert [a for a, _ in alts] == want.topk(3).indices.tolist() and alts[0][0] == token
+
+
+# sampled plain decoding draws per position; sampled speculation is exact in distribution only
+# (where a step ends decides which draws are used), so its resumed tokens are checked greedy
+@pytest.mark.parametrize("temperature,k", [(0.8, 0), (0.0, 4)])
+def test_a_resumed_sequence_continues_as_if_uninterrupted(target_runner, draft_runner, encode, drive,
+                                                          temperature, k):
+    """A failover re-issues the request with the output already streamed: the new replica's tokens
+    are the rest of what one uninterrupted run gives, also where the output so far matters
+    (penalties count it, min_tokens and max_tokens include it, randomness is per position)."""
+    params = SamplingParams(temperature=temperature, seed=11, max_tokens=24, min_tokens=16, frequency_penalty=0.7,
+                            repetition_penalty=1.3, stop_token_ids=(encode("\n")[0],))
+    whole = run(target_runner, draft_runner, encode, drive, params, k)
+    assert len(whole["tokens"]) >= 16
+    engine = SpecEngine(target_runner, DraftModelProposer(runner=draft_runner) if k else None)
+    engine.add("s", encode(PROMPT), params, k=k, output_ids=whole["tokens"][:9])
+    rest = drive(engine)["s"]
+    assert (rest["tokens"], rest["finish"]) == (whole["tokens"][9:], whole["finish"])
