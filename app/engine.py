@@ -26,12 +26,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+import torch
+
 from app.acceptance import AcceptanceStats
 from app.config import EngineLimits
 from app.sampling_params import SamplingParams
 from app.detokenizer import StopChecker
 from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
 from app.runners.model_runner import ContextOverflow, ModelRunner
+from app.spec.grammar import GrammarState, Grammars
 from app.spec.sampling import sample_token
 from app.spec.verify import RowToVerify, TokenLogprob, token_logprobs, verify_batch
 
@@ -63,6 +66,7 @@ class Sequence:
     adaptive: bool = False  # 'auto': the step planner picks 0..k each step; else k every step
     alpha_prior: float | None = None  # the router's acceptance estimate for its prompt class
     arrival: float = field(default_factory=time.monotonic)
+    grammar: GrammarState | None = None  # the response format's matcher, at the end of the output
 
     @property
     def token_ids(self) -> list[int]:
@@ -139,6 +143,7 @@ class SpecEngine:
         self.proposer_errors = 0  # steps that decoded plainly because the proposer was unavailable
         self.queue_times: list[float] = []  # seconds admitted requests waited; the caller drains it
         self._special_ids = frozenset(getattr(runner.tokenizer, "all_special_ids", ()) or ())
+        self._grammars: Grammars | None = None  # built on the first request with a response format
 
     # ---- admission -------------------------------------------------------------------
     def add(
@@ -180,12 +185,27 @@ class SpecEngine:
                 raise ValueError(f"{name} has token ids outside this model's vocabulary of {vocab}: {bad[:5]}")
         if self._left_waiting(need) > self.limits.max_queue:
             raise Overloaded(f"{len(self.waiting)} requests already waiting")
+        grammar = self._grammar(sampling, resumed)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         k = min(k, self.max_k) if self.proposer is not None else 0
         stop = StopChecker(self.runner.tokenizer, sampling.stop)
         self.waiting.append(Sequence(seq_id, list(prompt_ids), sampling, seed, k, stop, output_ids=resumed,
-                                     prefill_len=len(prompt_ids) + len(resumed),
+                                     prefill_len=len(prompt_ids) + len(resumed), grammar=grammar,
                                      adaptive=adaptive, alpha_prior=alpha_prior))
+
+    def _grammar(self, sampling: SamplingParams, resumed: list[int]) -> GrammarState | None:
+        """The response format's matcher after the output so far; ValueError for a bad schema."""
+        if sampling.response_format is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids,
+                                      max_rollback=self.max_k + 1)
+        grammar = self._grammars.state(sampling.response_format)
+        try:
+            grammar.advance(resumed)
+        except RuntimeError as e:
+            raise ValueError(f"the output to resume after does not follow the response format: {e}") from None
+        return grammar
 
     def abort(self, seq_id: str) -> bool:
         """Drop a sequence wherever it is and free its caches on both sides."""
@@ -265,8 +285,9 @@ class SpecEngine:
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
             seq.prefilled += len(chunk)
             if not seq.prefilling:
+                mask = seq.grammar.masks([])[0] if seq.grammar is not None else None
                 chosen = sample_token(logits[i], seq.sampling, seq.seed, seq.prefill_len, len(seq.output_ids),
-                                      self._banned(seq), (seq.prompt_ids, seq.output_ids, []))
+                                      self._banned(seq), (seq.prompt_ids, seq.output_ids, []), mask)
                 logprobs = None
                 if seq.sampling.logprobs is not None:
                     lp, values, ids = token_logprobs(logits[i:i + 1], chosen.view(1), seq.sampling.logprobs)
@@ -293,13 +314,20 @@ class SpecEngine:
             step_k[seq.seq_id] = seq.step_k = max(0, min(k, cap))
         proposals = self._propose([s for s in batch if step_k[s.seq_id] > 0], step_k, times)
         props = [proposals.get(s.seq_id, Proposal([])) for s in batch]
+        masks: list[torch.Tensor | None] = [None] * len(batch)
+        for i, seq in enumerate(batch):
+            if seq.grammar is not None:  # a proposal the grammar forbids ends the draft there
+                masks[i], allowed = seq.grammar.masks(props[i].tokens)
+                if allowed < len(props[i].tokens):
+                    p = props[i]
+                    props[i] = Proposal(p.tokens[:allowed], None if p.probs is None else p.probs[:allowed])
         inputs = [[s.token_ids[-1]] + p.tokens for s, p in zip(batch, props)]
         t0 = time.perf_counter()
         logits, rows = self.runner.step([s.seq_id for s in batch], inputs)  # [B, 1 + max k, vocab]
         results = verify_batch(logits, [
             RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, len(s.token_ids), len(s.output_ids), self._banned(s),
-                        *((s.prompt_ids, s.output_ids) if s.sampling.penalised else (None, None)))
-            for s, p, row in zip(batch, props, rows)])
+                        *((s.prompt_ids, s.output_ids) if s.sampling.penalised else (None, None)), mask)
+            for s, p, row, mask in zip(batch, props, rows, masks)])
         times.target = time.perf_counter() - t0  # the pass and its verification: one host read ends both
         times.batch_size = len(batch)
         times.tokens_in_pass = len(batch) * max(len(x) for x in inputs)  # rows x widest input: what the pass computed
@@ -338,6 +366,8 @@ class SpecEngine:
     def _emit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int,
               logprobs: list[TokenLogprob] | None = None) -> SeqUpdate:
         """Append verified tokens, stopping at EOS, max_tokens or a stop string."""
+        if seq.grammar is not None:
+            seq.grammar.advance(tokens)
         seq.stats.record(drafted, accepted)
         self.stats.record(drafted, accepted)
         kept: list[int] = []

@@ -6,9 +6,8 @@ Every field of a request is one of:
     list of prompts (text or token ids; choices prompt-major), `echo`, chat content as text
     parts, the `developer` role (given to the chat template as `system`), `max_completion_tokens`;
   - refused by name: a field the server does not implement set to anything but null or a value
-    that asks for nothing (its default) gets a 400 whose `param` names it. Known fields the engine
-    does not implement yet are listed in NOT_SUPPORTED_YET ("not supported yet"), fields this
-    server has no plan for (tools, audio, ...) in NOT_SUPPORTED, and any other key (one no OpenAI
+    that asks for nothing (its default) gets a 400 whose `param` names it. Fields this server has
+    no plan for (tools, audio, ...) are listed in NOT_SUPPORTED, and any other key (one no OpenAI
     API has, or one of the other endpoint's) is refused as unknown (`extra="forbid"`), nested
     objects (messages, stream_options, response_format) included;
   - accepted without effect on the output: identifiers OpenAI uses only for abuse monitoring,
@@ -38,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, fi
 from pydantic_core import PydanticCustomError
 
 from app.config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpeculationMode
+from app.sampling_params import StructuredOutput
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
@@ -81,22 +81,25 @@ class ResponseFormat(_Strict):
             raise ValueError("`json_schema` is required with type 'json_schema' and allowed with no other type")
         return self
 
+    def structured_output(self) -> StructuredOutput | None:
+        """The engine's constraint: None for free text; json_object is any JSON object, and a
+        json_schema without `schema` any JSON value (the grammar is compiled on the target)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput(type="json_object")
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        return StructuredOutput(type="json_schema", schema_text=json.dumps(schema, sort_keys=True))
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False  # the stream closes with a usage chunk (see _Request.usage_in_stream)
     include_obfuscation: bool = True  # OpenAI's padding of stream events; nothing to pad here
 
 
-# Known request fields the engine does not implement yet: each is refused by name ("not supported
-# yet") unless null or one of the values listed, which ask for nothing (compared with their type:
-# completions' `logprobs: 0` asks for the chosen token's logprob, chat's `logprobs: false` does not).
-# Turning one on is deleting its line here and reading the field in `_Request.sampling()`.
-NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
-    "response_format": (ResponseFormat(type="text"),),
-}
-
 # Fields of OpenAI's APIs this server does not implement and has no plan for: refused by name
-# unless null or one of the values listed (which ask for nothing), with the reason given.
+# unless null or one of the values listed (which ask for nothing; compared with their type), with
+# the reason given.
 NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": (([],), "tool calling is not supported by this server"),
     "tool_choice": (("none", "auto"), "tool calling is not supported by this server"),
@@ -143,7 +146,6 @@ class _Request(_Strict):
     ignore_eos: bool = False
     # accepted without effect on the output (OpenAI uses it for abuse monitoring only)
     user: str | None = Field(None, max_length=512)
-    # not supported yet (NOT_SUPPORTED_YET): typed and range-checked already
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
@@ -161,10 +163,6 @@ class _Request(_Strict):
     @classmethod
     def _refuse_unimplemented(cls, v: Any, info: ValidationInfo) -> Any:
         name = info.field_name
-        if name in NOT_SUPPORTED_YET and not _asks_for_nothing(v, NOT_SUPPORTED_YET[name]):
-            raise PydanticCustomError(
-                "not_supported_yet", "not supported yet (the engine does not implement it yet); leave it out "
-                "or send null{neutral}", {"neutral": _shown(NOT_SUPPORTED_YET[name], v)})
         if name in NOT_SUPPORTED and not _asks_for_nothing(v, NOT_SUPPORTED[name][0]):
             neutral, reason = NOT_SUPPORTED[name]
             raise PydanticCustomError("not_supported", "{reason}; leave it out or send null{neutral}",
@@ -226,6 +224,7 @@ class _Request(_Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (self.logit_bias or {}).items())),
+            response_format=self.response_format.structured_output() if self.response_format is not None else None,
         )
 
 

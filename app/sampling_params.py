@@ -8,7 +8,24 @@ depends on pydantic alone.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the output's form (OpenAI's response_format, free text excluded)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["json_object", "json_schema"]
+    schema_text: str | None = Field(None, description="json_schema: the JSON schema, serialised")
+
+    @model_validator(mode="after")
+    def _check(self) -> "StructuredOutput":
+        if (self.type == "json_schema") != (self.schema_text is not None):
+            raise ValueError("a json_schema response format needs its schema; json_object has none")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -35,6 +52,9 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per occurrence in the output")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="divides a positive logit (multiplies a "
                                       "negative one) of every token in the prompt or the output (vLLM's, from CTRL)")
+
+    response_format: StructuredOutput | None = Field(None, description="the output follows this grammar "
+                                                   "(app/spec/grammar.py); None: free text")
 
     logprobs: int | None = Field(None, ge=0, le=20, description="report each output token's log-probability under "
                                  "the target's raw distribution and this many most likely alternatives; None: none")

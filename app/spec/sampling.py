@@ -15,6 +15,7 @@ import torch
 
 from app.sampling_params import SamplingParams
 from app.runners.transfer import to_device
+from app.spec.grammar import apply_mask
 
 _MIN_TEMPERATURE = 1e-30
 
@@ -118,10 +119,15 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
                  first_output: int = 0, banned: tuple[int, ...] = (),
-                 history: tuple[list[int], list[int], list[int]] | None = None) -> torch.Tensor:
+                 history: tuple[list[int], list[int], list[int]] | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
     """The target's own token at `position` from `logits` `[vocab]`, on the device (`[]` long);
-    first_output, banned and history as adjust_logits takes them."""
-    logits = adjust_logits(logits.unsqueeze(0), params, first_output, banned, history)[0]
+    first_output, banned and history as adjust_logits takes them; mask `[1, words]`: the tokens a
+    response format allows (app/spec/grammar.py)."""
+    logits = adjust_logits(logits.unsqueeze(0), params, first_output, banned, history)
+    if mask is not None:
+        logits = apply_mask(logits, mask)
+    logits = logits[0]
     if params.greedy:
         return torch.argmax(logits)
     probs = processed_probs(logits.unsqueeze(0), params)  # [1, vocab]

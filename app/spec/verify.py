@@ -23,6 +23,7 @@ import torch
 
 from app.sampling_params import SamplingParams
 from app.runners.transfer import to_device
+from app.spec.grammar import apply_mask
 from app.spec.sampling import adjust_logits, inverse_cdf, processed_probs, uniforms
 
 
@@ -38,6 +39,7 @@ class RowToVerify:
     banned: tuple[int, ...] = ()  # tokens masked before min_tokens (EOS, stop_token_ids)
     prompt: list[int] | None = None  # the sequence so far, for penalties (None: the request has none)
     output: list[int] | None = None
+    mask: torch.Tensor | None = None  # [k+1, words] int32: the response format's allowed tokens per position
 
 
 # per emitted token: (its log-probability, [(alternative, log-probability)] most likely first)
@@ -66,8 +68,9 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
     device = logits.device
     T = max(len(r.proposals) for r in rows) + 1  # the widest row's outputs
     out = torch.zeros((len(rows), T + 1), dtype=torch.long, device=device)  # [n, T tokens + accepted]
-    # rows whose logits the request adjusts (logit_bias, min_tokens) take the one-row path
-    greedy = [i for i, r in enumerate(rows) if r.sampling.greedy and not r.sampling.adjusts_logits]
+    # rows whose logits the request adjusts (logit_bias, min_tokens, penalties, a response format)
+    # take the one-row path
+    greedy = [i for i, r in enumerate(rows) if r.sampling.greedy and not _adjusted(r)]
     if greedy:
         which = to_device([rows[i].row for i in greedy], device)
         choice = logits.index_select(0, which)[:, :T].argmax(dim=-1)  # [g, T]
@@ -79,9 +82,11 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
         accepted = match.long().cumprod(dim=1).sum(dim=1)  # [g]
         out[to_device(greedy, device)] = torch.cat([choice, accepted.unsqueeze(1)], dim=1)
     for i, r in enumerate(rows):
-        if not r.sampling.greedy or r.sampling.adjusts_logits:
+        if not r.sampling.greedy or _adjusted(r):
             history = (r.prompt or [], r.output or [], r.proposals) if r.sampling.penalised else None
             row = adjust_logits(logits[r.row, :len(r.proposals) + 1], r.sampling, r.first_output, r.banned, history)
+            if r.mask is not None:
+                row = apply_mask(row, r.mask)
             out[i] = _verify_greedy_row(row, r, T) if r.sampling.greedy else _verify_sampled(row, r, T)
     wanted = [i for i, r in enumerate(rows) if r.sampling.logprobs is not None]
     parts = []
@@ -97,6 +102,10 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
         results[i] = Verified(results[i].tokens, results[i].num_accepted,
                               [(c, list(zip(a, b))) for c, (a, b) in zip(chosen[:n].tolist(), top)])
     return results
+
+
+def _adjusted(r: RowToVerify) -> bool:
+    return r.sampling.adjusts_logits or r.mask is not None
 
 
 def _verify_greedy_row(logits: torch.Tensor, r: RowToVerify, T: int) -> torch.Tensor:

@@ -155,13 +155,15 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("tool_choice_required", CHAT, chat(tool_choice="required"), 400, "tool_choice", None),
     ("audio", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio", None),
     ("suffix", C, completion(suffix="\n    return x\n"), 400, "suffix", None),
-    # known fields the engine does not implement yet (app/openai_protocol.py NOT_SUPPORTED_YET)
+    # values out of range, and a schema the grammar compiler refuses
     ("logprobs_over_20", C, completion(logprobs=21), 400, "logprobs", None),
     ("chat_top_logprobs_over_20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     ("presence_penalty_out_of_range", C, completion(presence_penalty=2.5), 400, "presence_penalty", None),
     ("min_tokens_over_max_tokens", C, completion(min_tokens=9, max_tokens=8), 400, "min_tokens", None),
-    ("response_format_not_yet", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format",
+    ("response_format_unknown_type", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type",
      None),
+    ("response_format_bad_schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}), 400, None, None),
     # /tokenize and /detokenize
     ("tokenize_invalid_json", TOK, b"{", 400, None, None),
     ("tokenize_missing_prompt", TOK, {"model": MODEL}, 400, "prompt", None),
@@ -254,9 +256,10 @@ def test_boundaries_are_accepted(client: httpx.Client) -> None:
 
 
 def test_refusal_says_why(client: httpx.Client) -> None:
-    err = assert_openai_error(client.post(CHAT, json=chat(response_format={"type": "json_object"})), 400,
-                              "response_format")
-    assert "not supported yet" in err["message"] and err["message"].startswith("response_format")
+    schema = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    err = assert_openai_error(client.post(CHAT, json=chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})), 400)
+    assert err["message"] == 'response_format json_schema cannot be compiled: Unsupported type "nonsense"', err
     err = assert_openai_error(client.post(CHAT, json=chat(tools=[{"type": "function"}])), 400, "tools")
     assert "tool calling is not supported" in err["message"]
     err = assert_openai_error(client.post(C, json=completion(frobnicate=1)), 400, "frobnicate")

@@ -3,15 +3,17 @@ name when set to anything but null or a value that asks for nothing — never si
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from app.openai_protocol import (
-    NOT_SUPPORTED, NOT_SUPPORTED_YET, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponseFormat,
+    NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeChatRequest, TokenizeCompletionRequest, template_messages, tokenize_model,
 )
+from app.sampling_params import StructuredOutput
 
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "def f():\n"}
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -64,18 +66,16 @@ def test_logprobs_blocks_have_openais_shapes() -> None:
 
 
 
-NOT_YET_CASES: list[tuple[Any, str, Any]] = [
-    (chat, "response_format", {"type": "json_object"}),
-    (chat, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-]
-
-
-@pytest.mark.parametrize(("make", "name", "value"), NOT_YET_CASES,
-                         ids=[f"{m.__name__}-{n}-{v}" for m, n, v in NOT_YET_CASES])
-def test_not_supported_yet_is_refused_by_name(make, name: str, value: Any) -> None:
-    err = refusal(make, **{name: value})
-    assert err["loc"] == (name,) and err["type"] == "not_supported_yet", err
-    assert err["msg"].startswith("not supported yet"), err
+def test_response_format_becomes_the_engines_structured_output() -> None:
+    assert chat(response_format={"type": "text"}).sampling(16).response_format is None
+    assert chat(response_format={"type": "json_object"}).sampling(16).response_format == \
+        StructuredOutput(type="json_object")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).sampling(16)
+    assert fmt.response_format.type == "json_schema" and json.loads(fmt.response_format.schema_text) == schema
+    # without a schema: any JSON value
+    bare = chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}).sampling(16)
+    assert json.loads(bare.response_format.schema_text) == {}
 
 
 NOT_SUPPORTED_CASES: list[tuple[Any, str, Any]] = [
@@ -123,7 +123,6 @@ def test_nested_unknown_keys_are_refused_with_their_path() -> None:
 
 def test_refusal_message_names_what_is_accepted() -> None:
     assert refusal(chat, tool_choice="required")["msg"].endswith('send null or "none" or "auto"')
-    assert refusal(chat, response_format={"type": "json_object"})["msg"].endswith('send null or {"type": "text"}')
 
 
 def test_values_are_type_checked_before_the_refusal() -> None:
@@ -163,9 +162,7 @@ def test_defaults_sent_explicitly_are_accepted() -> None:
 def test_tables_name_declared_fields() -> None:
     """Every field in the refusal tables is declared (typed) by a request model."""
     declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-    assert set(NOT_SUPPORTED_YET) <= declared
     assert set(NOT_SUPPORTED) <= declared
-    assert NOT_SUPPORTED_YET["response_format"] == (ResponseFormat(type="text"),)
 
 
 # ---- n, best_of, several prompts, echo, text parts, developer role --------------------------------
