@@ -15,6 +15,8 @@ share the pytest process's Ray session (tests/serve/conftest.py), and must not b
         urllib.request.urlopen(f"http://127.0.0.1:{app.metrics_port}/metrics")
 
 The child's output goes to `app.log_path`; it is printed into the error when start-up fails.
+`app.call("DraftServer", "set_references", refs, alpha)` calls a deployment's method in the child
+(a benchmark's hook into a replica, e.g. controlled acceptance) and returns its result.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class AppProcess:
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.tmp: Path | None = None
         self.proc: subprocess.Popen | None = None
+        self._calls = 0  # call() requests sent to the child
 
     @property
     def log_path(self) -> Path:
@@ -149,6 +152,31 @@ class AppProcess:
                 raise TimeoutError(f"app not healthy after {self.startup_timeout_s:.0f}s:\n{tail}")
             time.sleep(0.5)
         return self
+
+    def call(self, deployment: str, method: str, *args: Any, timeout_s: float = 120.0) -> Any:
+        """`deployment.method(*args)` through a Serve handle in the child, its JSON result returned.
+        The arguments travel as a JSON file (references of a benchmark run to megabytes), the
+        request as its number on the child's stdin, the answer as a file the child renames into place."""
+        assert self.proc is not None and self.proc.stdin is not None and self.tmp is not None
+        self._calls += 1
+        n = self._calls
+        (self.tmp / f"call-{n}.json").write_text(json.dumps({"deployment": deployment, "method": method,
+                                                            "args": list(args)}))
+        self.proc.stdin.write(f"{n}\n".encode())
+        self.proc.stdin.flush()
+        reply = self.tmp / f"reply-{n}.json"
+        deadline = time.monotonic() + timeout_s
+        while not reply.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"app process exited ({self.proc.returncode}) during {deployment}.{method}:\n"
+                                   f"{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{deployment}.{method} did not answer in {timeout_s:.0f}s")
+            time.sleep(0.05)
+        answer = json.loads(reply.read_text())
+        if "error" in answer:
+            raise RuntimeError(f"{deployment}.{method}: {answer['error']}")
+        return answer["result"]
 
     def __exit__(self, *exc: object) -> None:
         proc = self.proc
@@ -189,12 +217,30 @@ def _child(argv: list[str] | None = None) -> None:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": opts.http_port})
         serve.run(build_app(app_args), name=opts.name, route_prefix="/", blocking=False)
         print(f"deployed {opts.name} on 127.0.0.1:{opts.http_port}, metrics on :{opts.metrics_port}", flush=True)
-        sys.stdin.read()  # until the parent closes our stdin (or dies)
+        # until the parent closes our stdin (or dies); each line is the number of a call() to answer
+        for line in sys.stdin:
+            if line.strip():
+                _answer(Path(opts.args).parent, int(line), opts.name)
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def _answer(tmp: Path, n: int, app_name: str) -> None:
+    """Run call number n (its request in tmp/call-n.json) and write tmp/reply-n.json."""
+    from ray import serve
+
+    try:
+        request = json.loads((tmp / f"call-{n}.json").read_text())
+        handle = serve.get_deployment_handle(request["deployment"], app_name=app_name)
+        answer = {"result": getattr(handle, request["method"]).remote(*request["args"]).result()}
+    except Exception as e:  # noqa: BLE001 — the parent raises it
+        answer = {"error": f"{type(e).__name__}: {e}"}
+    part = tmp / f"reply-{n}.part"
+    part.write_text(json.dumps(answer))
+    part.rename(tmp / f"reply-{n}.json")
 
 
 if __name__ == "__main__":

@@ -113,3 +113,24 @@ def test_a_level_where_no_request_ended_inside_a_window_has_no_latency_not_zero(
     assert summary[(32, "on")]["latency_p50_s"] == 0.3
     plot(cells, [32], tmp_path / "load.png", "a gap, not a zero")  # draws the gap
     assert (tmp_path / "load.png").stat().st_size > 0
+
+
+def test_the_gpu_target_reads_every_round_and_counts_the_loads_auto_is_above_both() -> None:
+    """auto >= 0.97x the better fixed policy at every load on the medians and in every round, and above
+    both fixed policies at two loads or more."""
+    rounds = {1: [(100.0, 80.0, 104.0), (100.0, 80.0, 106.0)],   # auto above both at 1 stream
+              4: [(200.0, 190.0, 210.0), (200.0, 190.0, 205.0)],  # and at 4
+              16: [(300.0, 320.0, 318.0), (300.0, 320.0, 300.0)]}  # medians 309 / 320 = 0.966: missed
+    cells = [cell(p, c, r, g) for c, rs in rounds.items() for r, trio in enumerate(rs)
+             for p, g in zip(("on", "off", "auto"), trio)]
+    v = verdict(cells, [1, 4, 16])
+    assert v["levels_auto_above_both"] == [1, 4] and v["auto_above_both_at_2_levels"] is True
+    assert v["levels"][2]["round_ratios"] == [pytest.approx(318 / 320, abs=1e-3), pytest.approx(300 / 320, abs=1e-3)]
+    assert v["auto_within_3pct_everywhere"] is False and v["auto_within_3pct_every_round"] is False
+    assert v["target_met"] is False
+    cells[-1].goodput_tok_s = 316.0  # round 1 at 0.9875: medians 317 / 320 and every round within 3 %
+    v = verdict(cells, [1, 4, 16])
+    assert v["auto_within_3pct_everywhere"] and v["auto_within_3pct_every_round"] and v["target_met"]
+    cells[2].goodput_tok_s = cells[5].goodput_tok_s = 99.0  # auto just below 'on' at 1 stream: above both at 4 only
+    v = verdict(cells, [1, 4, 16])
+    assert v["levels_auto_above_both"] == [4] and not v["auto_above_both_at_2_levels"] and not v["target_met"]
