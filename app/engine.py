@@ -314,16 +314,11 @@ class SpecEngine:
             step_k[seq.seq_id] = seq.step_k = max(0, min(k, cap))
         proposals = self._propose([s for s in batch if step_k[s.seq_id] > 0], step_k, times)
         props = [proposals.get(s.seq_id, Proposal([])) for s in batch]
-        masks: list[torch.Tensor | None] = [None] * len(batch)
-        for i, seq in enumerate(batch):
-            if seq.grammar is not None:  # a proposal the grammar forbids ends the draft there
-                masks[i], allowed = seq.grammar.masks(props[i].tokens)
-                if allowed < len(props[i].tokens):
-                    p = props[i]
-                    props[i] = Proposal(p.tokens[:allowed], None if p.probs is None else p.probs[:allowed])
         inputs = [[s.token_ids[-1]] + p.tokens for s, p in zip(batch, props)]
         t0 = time.perf_counter()
         logits, rows = self.runner.step([s.seq_id for s in batch], inputs)  # [B, 1 + max k, vocab]
+        # on a GPU the pass is queued, not done: the response formats' masks are built meanwhile
+        masks = self._grammar_masks(batch, props)
         results = verify_batch(logits, [
             RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, len(s.token_ids), len(s.output_ids), self._banned(s),
                         *((s.prompt_ids, s.output_ids) if s.sampling.penalised else (None, None)), mask)
@@ -340,6 +335,21 @@ class SpecEngine:
             updates.append(self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted,
                                       logprobs=result.logprobs))
         return updates
+
+    @staticmethod
+    def _grammar_masks(batch: list[Sequence], props: list[Proposal]) -> list[torch.Tensor | None]:
+        """Per sequence with a response format: its masks `[allowed + 1, words]` for the positions
+        it verifies, and its proposal cut (in `props`) at the first one the grammar forbids: the
+        draft ends there. The pass computed the cut positions too; their cache is rolled back
+        with the rejected ones."""
+        masks: list[torch.Tensor | None] = [None] * len(batch)
+        for i, seq in enumerate(batch):
+            if seq.grammar is not None:
+                masks[i], allowed = seq.grammar.masks(props[i].tokens)
+                if allowed < len(props[i].tokens):
+                    p = props[i]
+                    props[i] = Proposal(p.tokens[:allowed], None if p.probs is None else p.probs[:allowed])
+        return masks
 
     def _propose(self, seqs: list[Sequence], step_k: dict[str, int], times: StepTimes) -> dict[str, Proposal]:
         if not seqs or self.proposer is None:
