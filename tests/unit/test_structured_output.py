@@ -108,7 +108,7 @@ def test_a_schema_the_compiler_refuses_is_a_value_error(target_runner, encode) -
         engine.add("s", encode(PROMPT), SamplingParams(response_format=bad))
 
 
-@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fmt=st.sampled_from(FORMATS), k=st.integers(1, 6),
        presence=st.sampled_from([0.0, 0.8]), frequency=st.sampled_from([0.0, 0.5]),
        repetition=st.sampled_from([1.0, 1.3]),
