@@ -47,8 +47,9 @@ PROMPTS_PER_CLASS = 24
 PROMPT_TOKENS = 64  # >= ReferenceProposer.KEY_TOKENS: references are keyed by the prompt's first 32 tokens
 MAX_K = 8  # the draft's deepest step (engine.speculation.max_speculative_tokens); 'on' uses the policy's default_k
 # seconds, for the plan's estimate: app start-up (8B random weights built on the GPU, every target
-# graph captured: ~60 s in bench.serve_gpu on an H100) and cell overhead (closing streams, the pause)
-STARTUP_EST_S = {"8b": 100.0, "tiny": 25.0}
+# graph captured: ~60 s in bench.serve_gpu on an H100 at 32 sequences; here 64, and both replicas
+# profile their steps) and cell overhead (closing streams, the pause)
+STARTUP_EST_S = {"8b": 110.0, "tiny": 25.0}
 CELL_OVERHEAD_S = 1.5
 
 

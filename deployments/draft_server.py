@@ -10,6 +10,7 @@ that lost a sequence answers *miss* and is sent the full token ids (app/draft_pr
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -22,8 +23,12 @@ from app.sampling_params import SamplingParams
 from app.draft_channel import DraftChannelServer
 from app.draft_protocol import DraftSeqDelta, DraftStepRequest, DraftStepResponse, DraftWorker
 from app.proposers import DraftModelProposer
+from app.policy.step_profile import DraftTime
 from app.proposers.oracle import ReferenceProposer
+from app.runners.profile import profile_draft
 from deployments.metrics_ray import ServeMetrics
+
+log = logging.getLogger("ray.serve")
 
 # rows of the draft's cache per target sequence slot: one draft replica serves several target replicas,
 # and a sequence it no longer has room for is evicted and rebuilt on its next miss
@@ -48,6 +53,9 @@ class ChannelInfo:
     host: str
     port: int
     token: str
+    # the draft's step measured at start-up per (batch, depth) (on CUDA; empty on the CPU): the calling
+    # target replica feeds it to its step planner's cost model (app/policy/step_profile.py)
+    step_profile: tuple[DraftTime, ...] = ()
 
 
 @serve.deployment
@@ -61,6 +69,18 @@ class DraftServer:
         # proposes what the draft model does until a benchmark loads references (set_references)
         self.reference = ReferenceProposer(self.proposer, self.proposer.runner.vocab_size)
         self.worker = DraftWorker(self.reference)
+        self.step_profile: tuple[DraftTime, ...] = ()
+        if self.proposer.runner.device.type == "cuda":  # graphs per (batch bucket, depth): stable, measurable
+            t0 = time.perf_counter()
+            limits, spec = app_config.engine.limits, app_config.engine.speculation
+            try:  # it also captures the step's graph at every (batch bucket, depth) before traffic
+                self.step_profile = tuple(profile_draft(
+                    self.proposer, self.proposer.runner.vocab_size,
+                    [b for b in self.proposer.runner.buckets if b <= limits.max_num_seqs],
+                    range(1, spec.max_speculative_tokens + 1)))
+            except Exception:  # noqa: BLE001 — a profile only seeds the targets' cost models: serve without one
+                log.exception("profiling the draft's steps failed; targets measure them live")
+            log.info("profiled %d draft steps in %.1fs", len(self.step_profile), time.perf_counter() - t0)
         # torch work is synchronous: serialise steps from several target replicas
         self.lock = threading.Lock()
         self.metrics = ServeMetrics(model_name=app_config.model_name)
@@ -87,7 +107,7 @@ class DraftServer:
     def channel(self, request: ChannelRequest) -> ChannelInfo:
         """Where a target replica sends its steps (the data plane), and the token it must present."""
         host, port = self.server.address
-        return ChannelInfo(host, port, self.server.token)
+        return ChannelInfo(host, port, self.server.token, self.step_profile)
 
     def set_references(self, references: list[list[int]], alpha: float | dict[str, float] | None,
                        classes: list[str] | None = None) -> None:

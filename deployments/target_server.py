@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -26,13 +26,16 @@ from app.engine_loop import EngineLoop, stream_batches
 from app.generation_protocol import GenerateChunk, GenerateRequest
 from app.host_steal import StealMeter
 from app.runners.model_runner import ContextOverflow, ModelRunner
+from app.runners.profile import profile_target
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
 from app.policy.step_mode import forced_mode, mode_ks
+from app.policy.step_profile import StepProfile, seed_costs
 from app.policy.step_wall import StepWall
 from app.proposers import NgramProposer, Proposer
 from deployments.draft_server import ChannelRequest
 from deployments.metrics_ray import ServeMetrics
+from deployments.step_window import StepWindow
 from deployments.replica_info import live_config
 
 log = logging.getLogger("ray.serve")
@@ -64,6 +67,8 @@ class RemoteDraftTransport:
         self.failures = 0  # consecutive failed calls
         self._lease = None  # the open DraftServer.lease call (deployments/draft_server.py): the pool's load
         self._lease_checked = 0.0
+        self.step_profile: StepProfile | None = None  # the draft replica's, from its channel() answer
+
 
     def _resolve(self) -> tuple[str, int, str]:
         response = self.handle.channel.remote(ChannelRequest(self.client_id))
@@ -75,6 +80,8 @@ class RemoteDraftTransport:
             except Exception:  # noqa: BLE001 — cancel() re-raises a failed assignment
                 pass
             raise
+        if info.step_profile:  # the draft replica measured its steps at start-up (deployments/draft_server.py)
+            self.step_profile = StepProfile(draft=list(info.step_profile))
         return info.host, info.port, info.token
 
     def __call__(self, request: DraftStepRequest) -> DraftStepResponse:
@@ -109,65 +116,6 @@ class RemoteDraftTransport:
         self._lease = self.handle.lease.remote(ChannelRequest(self.client_id))
 
 
-class StepWindow:
-    """Measured step times for the router's cost model, published per kind.
-
-    The engine loop thread adds every step; `publish()` (Serve's record_routing_stats, ~1/s)
-    closes the window, and every kind measured in it gets its mean seconds and mean tokens under a
-    new per-kind counter (`<kind>_seq`). A kind not measured in a window keeps its last figures
-    and counter: the router's policy ingests each (replica, kind, counter) once
-    (SpeculationPolicy.ingest), and a rare measurement — the wide pass of an exploration step —
-    reaches it even when another caller read the window it was measured in.
-    Kinds: decode (no sequence speculated: tokens = batch), verify (some did: tokens = every
-    token of the pass), draft (seconds per draft step at the draft batch = speculating
-    sequences), exchange (the draft call's hop, outside the draft's own compute).
-    `seq` counts publications that measured anything.
-    """
-
-    KINDS = ("decode", "verify", "draft", "exchange")
-    _KEYS = {"decode": ("decode_step_s", "decode_tokens"), "verify": ("verify_step_s", "verify_tokens"),
-             "draft": ("draft_step_s", "draft_batch"), "exchange": ("exchange_s", None)}
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sums = self._empty()
-        self.seq = 0
-        self._kind_seq = {kind: 0 for kind in self.KINDS}
-        self.last: dict[str, Any] = {}
-
-    @staticmethod
-    def _empty() -> dict[str, list[float]]:
-        return {kind: [0.0, 0.0, 0] for kind in StepWindow.KINDS}  # seconds, tokens, count
-
-    def add(self, kind: str, seconds: float, tokens: float = 0.0) -> None:
-        if seconds <= 0:
-            return
-        with self._lock:
-            acc = self._sums[kind]
-            acc[0] += seconds
-            acc[1] += tokens
-            acc[2] += 1
-
-    def publish(self) -> dict[str, Any]:
-        with self._lock:
-            sums, self._sums = self._sums, self._empty()
-            measured = False
-            for kind, (key_s, key_n) in self._KEYS.items():
-                seconds, tokens, n = sums[kind]
-                if not n:
-                    continue
-                measured = True
-                self._kind_seq[kind] += 1
-                self.last[key_s] = seconds / n
-                if key_n is not None:
-                    self.last[key_n] = max(1, round(tokens / n))
-                self.last[f"{kind}_seq"] = self._kind_seq[kind]
-            if measured:
-                self.seq += 1
-            self.last["seq"] = self.seq
-            return dict(self.last)
-
-
 @serve.deployment
 class TargetServer:
     def __init__(self, config: dict, draft: DeploymentHandle | None = None) -> None:
@@ -177,11 +125,27 @@ class TargetServer:
         runner = ModelRunner(engine_cfg.target, engine_cfg.limits.max_num_seqs,
                              widths=range(1, engine_cfg.speculation.max_speculative_tokens + 2))
         proposer: Proposer | None = None
+        self._transport: RemoteDraftTransport | None = None
         if engine_cfg.speculation.proposer == "ngram":
             proposer = NgramProposer(engine_cfg.speculation.ngram_min, engine_cfg.speculation.ngram_max)
         elif draft is not None:
-            proposer = DraftClient(self.replica_id, RemoteDraftTransport(draft, self.replica_id))
+            self._transport = RemoteDraftTransport(draft, self.replica_id)
+            proposer = DraftClient(self.replica_id, self._transport)
         self.policy = SpeculationPolicy(self.config.policy, acceptance=AcceptanceTracker(pair=self.config.model_name))
+        # On CUDA (graphs per batch bucket and width: stable step costs) the target's passes are measured
+        # before traffic and fed to the step planner's cost model as its first measurements; the draft's
+        # steps arrive from the draft replica with its channel (app/policy/step_profile.py)
+        self.profile = StepProfile()
+        self._draft_profile_seeded: StepProfile | None = None
+        if runner.device.type == "cuda":
+            t0 = time.perf_counter()
+            try:
+                self.profile.target = profile_target(runner, range(1, engine_cfg.speculation.max_speculative_tokens + 2))
+            except Exception:  # noqa: BLE001 — a profile only seeds the cost model: serve without one
+                log.exception("profiling the target's passes failed; the cost model starts from its prior")
+            seed_costs(self.policy.costs, self.profile)
+            log.info("profiled %d target passes in %.1fs: %s", len(self.profile.target), time.perf_counter() - t0,
+                     self.profile.summary()["target_ms"])
         self.engine = SpecEngine(
             runner, proposer, engine_cfg.limits, max_k=engine_cfg.speculation.max_speculative_tokens,
             plan_k=self._plan_k,
@@ -240,6 +204,9 @@ class TargetServer:
         with self.loop.lock, self._step_lock:
             old = self.policy.config
             rebuilt = self.policy.reconfigure(policy)
+            if "costs" in rebuilt:  # a new cost model starts from the start-up profiles again
+                seed_costs(self.policy.costs, self.profile)
+                self._draft_profile_seeded = None
             self._build_step_policy(policy, old)
             self._step_mode, self._planned = None, None  # planned under the old parts
         log.info("policy reconfigured from user_config%s", f" (rebuilt: {', '.join(rebuilt)})" if rebuilt else "")
@@ -399,6 +366,11 @@ class TargetServer:
         parts["pass_s"] += total_s + engine.last_times.target
         parts["draft_s"] += compute
         parts["exchange_s"] += hop
+        draft_profile = self._transport.step_profile if self._transport is not None else None
+        if draft_profile is not None and draft_profile is not self._draft_profile_seeded:
+            seed_costs(self.policy.costs, draft_profile)  # before this step's own measurement, which then weighs in
+            self._draft_profile_seeded = draft_profile
+            log.info("draft replica's step profile: %s", draft_profile.summary()["draft_step_ms"])
         per_step = self.policy.costs.observe_draft_call(batch, depth, compute, proposer.last_first_pass)
         self.policy.costs.observe_exchange(hop)
         if per_step is not None:
@@ -458,11 +430,14 @@ class TargetServer:
         return report
 
     def policy_state(self) -> dict:
-        """The step planner's calibration (realized / predicted step time per 'b{bucket}/k{depth}') and the
-        mode arbiter's measured goodput per batch bucket."""
+        """The step planner's calibration (realized / predicted step time per 'b{bucket}/k{depth}'), the
+        mode arbiter's measured goodput per batch bucket, and the step costs profiled at start-up (ms per
+        target pass '{batch}x{width}' and per draft step '{batch}x{depth}'; empty on the CPU)."""
         cal = self.policy.calibration
         return {"calibration": cal.snapshot() if cal is not None else {},
                 "calibration_probes": cal.probes if cal is not None else 0,
+                "start_profile": {**self.profile.summary(),
+                                  **(self._draft_profile_seeded.summary() if self._draft_profile_seeded else {})},
                 "step_modes": self.arbiter.snapshot() if self.arbiter is not None else {}}
 
     def load(self) -> dict:
