@@ -82,7 +82,20 @@ def summarize(cells: list[Cell], levels: list[int]) -> dict[tuple[int, str], dic
                 # slow host: a request outlasts the 10-s window), not a latency of 0
                 "latency_p50_s": _r(_median_or_none([x.latency_p50_s for x in xs])),
                 "latency_p99_s": _r(_median_or_none([x.latency_p99_s for x in xs])),
+                **({"by_class": _by_class(xs)} if any(x.by_class for x in xs) else {}),
             }
+    return out
+
+
+def _by_class(cells: list[Cell]) -> dict[str, dict[str, Any]]:
+    """Per prompt class over the cells: requests, the share that drafted, accepted / drafted tokens."""
+    out: dict[str, dict[str, Any]] = {}
+    for cls in sorted({k for x in cells for k in x.by_class}):
+        tot = {key: sum(x.by_class.get(cls, {}).get(key, 0) for x in cells)
+               for key in ("requests", "drafted_requests", "drafted", "accepted")}
+        out[cls] = {"requests": tot["requests"],
+                    "drafted_share": _r(tot["drafted_requests"] / tot["requests"]) if tot["requests"] else None,
+                    "acceptance_rate": _r(tot["accepted"] / tot["drafted"]) if tot["drafted"] else None}
     return out
 
 
@@ -232,6 +245,11 @@ def print_verdict(cells: list[Cell], levels: list[int]) -> dict[str, Any]:
         paired = f"{r['paired_mean']} ± {r['paired_se']}" if r["paired_mean"] is not None else "-"
         print(f"{r['concurrency']:>5}{r['on']:>9.1f}{r['off']:>9.1f}{r['auto']:>9.1f}{r['auto_over_best_fixed']:>10.3f}"
               f"{paired:>15}  {r['auto_mostly']} / {r['better_fixed']}; {a_sum['mean_depth']}, {a_sum['drafting_share']}")
+    if any("by_class" in row for row in summary.values()):  # mixed traffic: which classes auto drafted
+        print("auto's requests that drafted, by class (acceptance):", " ".join(
+            f"c={c}:" + ",".join(f"{k}={b['drafted_share']}({b['acceptance_rate']})"
+                                 for k, b in summary[(c, "auto")].get("by_class", {}).items())
+            for c in levels if (c, "auto") in summary))
     print("auto / best fixed policy:", " ".join(f"c={r['concurrency']}:{r['auto_over_best_fixed']}" for r in v["levels"]))
     print("auto mostly / better fixed:", " ".join(f"c={r['concurrency']}:{r['auto_mostly']}/{r['better_fixed']}"
                                                    for r in v["levels"]))

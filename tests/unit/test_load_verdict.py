@@ -134,3 +134,17 @@ def test_the_gpu_target_reads_every_round_and_counts_the_loads_auto_is_above_bot
     cells[2].goodput_tok_s = cells[5].goodput_tok_s = 99.0  # auto just below 'on' at 1 stream: above both at 4 only
     v = verdict(cells, [1, 4, 16])
     assert v["levels_auto_above_both"] == [4] and not v["auto_above_both_at_2_levels"] and not v["target_met"]
+
+
+def test_mixed_traffic_cells_are_summarised_per_prompt_class() -> None:
+    from bench.load import summarize
+
+    a, b = cell("auto", 4, 0, 100.0), cell("auto", 4, 1, 90.0)
+    a.by_class = {"code": {"requests": 6, "drafted_requests": 6, "drafted": 40, "accepted": 24},
+                  "prose": {"requests": 6, "drafted_requests": 1, "drafted": 4, "accepted": 1}}
+    b.by_class = {"code": {"requests": 4, "drafted_requests": 3, "drafted": 20, "accepted": 12},
+                  "prose": {"requests": 4}}
+    row = summarize([a, b], [4])[(4, "auto")]
+    assert row["by_class"] == {"code": {"requests": 10, "drafted_share": 0.9, "acceptance_rate": 0.6},
+                               "prose": {"requests": 10, "drafted_share": 0.1, "acceptance_rate": 0.25}}
+    assert "by_class" not in summarize([cell("on", 4, 0, 1.0)], [4])[(4, "on")]  # one-class traffic: none
