@@ -221,14 +221,19 @@ def prepare(app_ctx: Any, url: str, shape: str, device: str, levels: list[int], 
     from bench.serve_gpu import VOCAB
 
     t0 = time.monotonic()
+    # the app answers once a target replica does; the draft replica may still be starting (on CUDA it
+    # profiles its steps then): wait for it, so nothing the bench sends shares the GPU with that
+    app_ctx.call("DraftServer", "num_cached_sequences", timeout_s=300.0)
+    setup_wait = round(time.monotonic() - t0, 1)
     prompts = make_prompts(VOCAB if shape == "8b" else 1024, prompts_per_class)
     prompt_classes(prompts)
     workload = MixedWorkload(prompts, lengths=tuple(lengths))
     setup = Setup(shape, alphas, workload)
     refs, classes = asyncio.run(references(url, prompts, max(levels), max(lengths)))
-    app_ctx.call("DraftServer", "set_references", refs, alphas, classes)
+    app_ctx.call("DraftServer", "set_references", refs, alphas, classes, timeout_s=300.0)
     setup.reference_lengths = {"min": min(map(len, refs)), "max": max(map(len, refs)), "count": len(refs)}
-    setup.timings_s["references"] = round(time.monotonic() - t0, 1)
+    setup.timings_s["draft_ready"] = setup_wait
+    setup.timings_s["references"] = round(time.monotonic() - t0 - setup_wait, 1)
     t1 = time.monotonic()
     depths = list(range(1, MAX_K + 1)) if device == "cuda" else [4]  # no graphs to capture on the CPU
     asyncio.run(warm_up(url, workload, levels, depths))

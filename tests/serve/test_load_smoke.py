@@ -17,7 +17,7 @@ from app.config import PROJECT_ROOT
 def test_the_mixed_load_sweep_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     report, png = tmp_path / "load.json", tmp_path / "load.png"
     cmd = [sys.executable, "-m", "bench.load", "--shape", "tiny", "--device", "cpu", "--levels", "2", "--rounds", "1",
-           "--warmup", "0.5", "--duration", "1.5", "--lengths", "8,24", "--prompts-per-class", "2",
+           "--warmup", "0.3", "--duration", "1", "--lengths", "8,24", "--prompts-per-class", "2",
            "--json", str(report), "--png", str(png)]
     run = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
