@@ -47,11 +47,12 @@ the batch (the policy decides on batch size; a queue would be a different experi
 and mixed traffic instead (bench/load_mixed.py): code and prose prompts with their own controlled
 acceptance (`--alphas`, default code 0.8, prose 0.35; the real draft model runs every step), output
 lengths 16-512, levels 1/4/16/32/64, 2 rounds of 3 + 6 s cells run round by round over the levels:
-about 8 minutes on one GPU (the plan is printed with its estimate first; `--time-limit`, 540 s, starts
-no cell that would end later, so the run ends inside a 10-minute device slot with what it measured). Latency there counts every request that finished in the window
-(it may have started in the warm-up: a 512-token request outlasts a window at 64 streams). The
-report (bench/results/load-gpu.json) is rewritten after every cell, so a run cut short keeps what
-it measured; the per-class acceptance of each cell is in it.
+about 8 minutes on one GPU. The plan is printed with its estimate first; `--time-limit` (540 s)
+starts no cell that would end later, so the run ends inside a 10-minute device slot with what it
+measured. Latency there counts every request that finished in the window (it may have started in
+the warm-up: a 512-token request outlasts a window at 64 streams). The report
+(bench/results/load-gpu.json) is rewritten after every cell, so a run cut short keeps what it
+measured; each cell's requests, drafting and acceptance per prompt class are in it.
 """
 
 from __future__ import annotations
@@ -483,18 +484,19 @@ def main() -> None:
             args.workload = setup.workload
             print(f"[{time.monotonic() - t0:.0f}s] references and warm-up done: {setup.timings_s}", flush=True)
         cells = asyncio.run(sweep(url, levels, args, discarded, on_cell=write))
+        # the report and the plot before the app's shutdown: a slow shutdown cut short loses neither
+        print_verdict(cells, levels)
+        write(cells, final=True)
+        load_after = os.getloadavg()
+        pair = f"random {args.shape} pair, mixed code (alpha {args.alphas.get('code')}) / prose (alpha " \
+               f"{args.alphas.get('prose')}), {min(args.lengths)}-{max(args.lengths)} tokens" if mixed else \
+            f"embedded pair, max_tokens {args.max_tokens}"
+        plot(cells, levels, Path(args.png), f"specserve on {card or 'CPU'} ({pair}), closed-loop streams; load avg "
+                                            f"{load_before[0]:.1f}->{load_after[0]:.1f} on {os.cpu_count()} cores")
+        print(f"[{time.monotonic() - t0:.0f}s] wrote {args.json} and {args.png}", flush=True)
     finally:
         if app_ctx is not None:
             app_ctx.__exit__(None, None, None)
-    print_verdict(cells, levels)
-    write(cells, final=True)
-    load_after = os.getloadavg()
-    pair = f"random {args.shape} pair, mixed code (alpha {args.alphas.get('code')}) / prose (alpha " \
-           f"{args.alphas.get('prose')}), {min(args.lengths)}-{max(args.lengths)} tokens" if mixed else \
-        f"embedded pair, max_tokens {args.max_tokens}"
-    plot(cells, levels, Path(args.png), f"specserve on {card or 'CPU'} ({pair}), closed-loop streams; load avg "
-                                        f"{load_before[0]:.1f}->{load_after[0]:.1f} on {os.cpu_count()} cores")
-    print(f"[{time.monotonic() - t0:.0f}s] wrote {args.json} and {args.png}")
 
 
 if __name__ == "__main__":
