@@ -89,7 +89,7 @@ PROMPTS = [
     "import json\n\n\ndef load(path):\n    with open(path) as f:\n",
 ]
 LEVELS = (1, 2, 4, 8, 16, 32)
-# the random pair's sweep (bench/load_mixed.py): the levels, sized to run in ~8 min on one GPU
+# the random pair's sweep (bench/load_mixed.py): 1 to 64 streams, sized to run in ~8 min on one GPU
 # (and under the device's 10-minute limit per command, which --time-limit keeps with room for shutdown)
 MIXED_PLAN = {"levels": "1,4,16,32,64", "rounds": 2, "warmup": 3.0, "duration": 6.0, "time_limit": 540.0}
 EMBEDDED_PLAN = {"levels": ",".join(map(str, LEVELS)), "rounds": 1, "warmup": 5.0, "duration": 20.0, "time_limit": None}
