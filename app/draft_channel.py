@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from app.sampling_params import SamplingParams
+from app.sampling_params import SamplingParams, StructuredOutput
 from app.draft_protocol import DraftSeqDelta, DraftStepRequest, DraftStepResponse, DraftUnavailable
 from app.proposers.base import FirstPass, Proposal
 
@@ -37,20 +37,32 @@ MAX_MESSAGE = 1 << 31
 
 # ---- encoding ---------------------------------------------------------------------------
 def _sampling_fields(p: SamplingParams) -> list | None:
-    return None if p.greedy else [p.temperature, p.top_p, p.top_k]
+    """What the draft samples with: temperature, top-p, top-k and the response format (its grammar
+    constrains the proposals); None for greedy free text."""
+    fmt = p.response_format
+    if p.greedy and fmt is None:
+        return None
+    return [p.temperature, p.top_p, p.top_k, None if fmt is None else [fmt.type, fmt.schema_text]]
+
+
+def _sampling(fields: list | None) -> SamplingParams:
+    if fields is None:
+        return SamplingParams()
+    temperature, top_p, top_k, fmt = fields
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                          response_format=None if fmt is None else StructuredOutput(type=fmt[0], schema_text=fmt[1]))
 
 
 def encode_request(r: DraftStepRequest) -> bytes:
-    seqs = [[s.seq_id, s.base_len, s.base_hash, s.append, s.k, _sampling_fields(s.sampling), s.seed] for s in r.seqs]
+    seqs = [[s.seq_id, s.base_len, s.base_hash, s.append, s.k, _sampling_fields(s.sampling), s.seed, s.prompt_len]
+            for s in r.seqs]
     return json.dumps({"client_id": r.client_id, "seqs": seqs, "release": r.release}).encode()
 
 
 def decode_request(data: bytes) -> DraftStepRequest:
     h = json.loads(data)
-    seqs = [DraftSeqDelta(sid, base_len, base_hash, append, k,
-                          SamplingParams() if s is None else SamplingParams(temperature=s[0], top_p=s[1], top_k=s[2]),
-                          seed)
-            for sid, base_len, base_hash, append, k, s, seed in h["seqs"]]
+    seqs = [DraftSeqDelta(sid, base_len, base_hash, append, k, _sampling(s), seed, prompt_len)
+            for sid, base_len, base_hash, append, k, s, seed, prompt_len in h["seqs"]]
     return DraftStepRequest(h["client_id"], seqs, h["release"])
 
 

@@ -32,6 +32,7 @@ class DraftSeqDelta:
     k: int
     sampling: SamplingParams
     seed: int
+    prompt_len: int = 0  # the truth's prompt tokens (ProposalRequest.prompt_len)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class DraftWorker:
                 self.misses += 1
                 continue
             self.truth[s.seq_id] = tokens
-            resolved.append(ProposalRequest(s.seq_id, tokens, s.k, s.sampling, s.seed))
+            resolved.append(ProposalRequest(s.seq_id, tokens, s.k, s.sampling, s.seed, s.prompt_len))
         proposals = self.proposer.propose(resolved)
         return DraftStepResponse(
             proposals={r.seq_id: p for r, p in zip(resolved, proposals)},
@@ -119,7 +120,8 @@ class DraftClient(Proposer):
                 break
             base += 1
         return DraftSeqDelta(
-            r.seq_id, base, tokens_hash(r.token_ids[:base]) if base else 0, r.token_ids[base:], r.k, r.sampling, r.seed
+            r.seq_id, base, tokens_hash(r.token_ids[:base]) if base else 0, r.token_ids[base:], r.k, r.sampling, r.seed,
+            r.prompt_len,
         )
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:

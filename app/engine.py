@@ -141,6 +141,7 @@ class SpecEngine:
         self.stats = AcceptanceStats()
         self.last_times = StepTimes()
         self.proposer_errors = 0  # steps that decoded plainly because the proposer was unavailable
+        self.grammar_cut_tokens = 0  # proposals dropped because the response format forbids them (or what followed)
         self.queue_times: list[float] = []  # seconds admitted requests waited; the caller drains it
         self._special_ids = frozenset(getattr(runner.tokenizer, "all_special_ids", ()) or ())
         self._grammars: Grammars | None = None  # built on the first request with a response format
@@ -336,8 +337,7 @@ class SpecEngine:
                                       logprobs=result.logprobs))
         return updates
 
-    @staticmethod
-    def _grammar_masks(batch: list[Sequence], props: list[Proposal]) -> list[torch.Tensor | None]:
+    def _grammar_masks(self, batch: list[Sequence], props: list[Proposal]) -> list[torch.Tensor | None]:
         """Per sequence with a response format: its masks `[allowed + 1, words]` for the positions
         it verifies, and its proposal cut (in `props`) at the first one the grammar forbids: the
         draft ends there. The pass computed the cut positions too; their cache is rolled back
@@ -348,13 +348,15 @@ class SpecEngine:
                 masks[i], allowed = seq.grammar.masks(props[i].tokens)
                 if allowed < len(props[i].tokens):
                     p = props[i]
+                    self.grammar_cut_tokens += len(p.tokens) - allowed
                     props[i] = Proposal(p.tokens[:allowed], None if p.probs is None else p.probs[:allowed])
         return masks
 
     def _propose(self, seqs: list[Sequence], step_k: dict[str, int], times: StepTimes) -> dict[str, Proposal]:
         if not seqs or self.proposer is None:
             return {}
-        requests = [ProposalRequest(s.seq_id, s.token_ids, step_k[s.seq_id], s.sampling, s.seed) for s in seqs]
+        requests = [ProposalRequest(s.seq_id, s.token_ids, step_k[s.seq_id], s.sampling, s.seed, len(s.prompt_ids))
+                    for s in seqs]
         t0 = time.perf_counter()
         try:
             proposals = self.proposer.propose(requests)

@@ -19,6 +19,7 @@ class ProposalRequest:
     k: int  # how many tokens to propose (>= 1)
     sampling: SamplingParams
     seed: int  # the request's resolved seed (per-position randomness derives from it)
+    prompt_len: int = 0  # token_ids[prompt_len:] is the output: what a response format constrains
 
 
 @dataclass(frozen=True)

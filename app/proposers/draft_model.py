@@ -7,7 +7,9 @@ Per step, for the whole batch:
   2. one pass feeding every row its last one or two tokens (the last accepted proposal and the
      target's token), then k - 1 one-token passes feeding each row's proposal back on the
      device: for greedy requests all k passes are one CUDA graph (ModelRunner.draft_chain);
-     with sampled requests in the batch, a graph per pass, no host read in between;
+     with sampled requests in the batch, a graph per pass, no host read in between; with a
+     response format in the batch, its rows' logits are masked by the grammar each pass (a
+     matcher per sequence, rolled back after the step) and their tokens read each pass;
   3. one host read of every row's k proposals.
 The k-th proposal is not fed back; if it is accepted it is fed at the next step's catch-up.
 The cache is a cache: a sequence it does not hold (new, evicted, replica restarted) is rebuilt
@@ -21,10 +23,11 @@ from collections import OrderedDict
 
 import torch
 
-from app.config import ModelSpec
+from app.config import MAX_SPECULATIVE_TOKENS, ModelSpec
 from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer
 from app.runners.model_runner import ModelRunner
 from app.runners.transfer import to_device
+from app.spec.grammar import GrammarState, Grammars, apply_mask
 from app.spec.sampling import inverse_cdf, processed_probs, uniforms
 
 
@@ -38,6 +41,8 @@ class DraftModelProposer(Proposer):
         self.fed: OrderedDict[str, list[int]] = OrderedDict()  # per sequence: the tokens its cache holds, LRU order
         self.cache_misses = 0  # sequences rebuilt from scratch (new, evicted or replica restarted)
         self._prefilled = 0  # tokens the current step's catch-ups prefilled
+        self._grammars: Grammars | None = None  # built on the first sequence with a response format
+        self._grammar_states: dict[str, tuple[GrammarState, int]] = {}  # seq -> (matcher, output tokens it followed)
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         limit = self.runner.max_context
@@ -52,7 +57,9 @@ class DraftModelProposer(Proposer):
         feeds = [self._catch_up(requests[i], keep=set(ids)) for i in active]  # each 1 or 2 tokens
         device = self.runner.device
         depth = max(ks[i] for i in active)
-        if all(requests[i].sampling.greedy for i in active):  # the whole step as one graph, one host read
+        grammars = [self._grammar(requests[i]) for i in active]
+        if all(requests[i].sampling.greedy for i in active) and not any(grammars):
+            # the whole step as one graph, one host read
             t1 = time.perf_counter()
             chains = self.runner.draft_chain(ids, feeds, depth).tolist()  # [n, depth]
             # the first pass's share: the catch-up prefills and one of the chain's depth passes
@@ -68,26 +75,35 @@ class DraftModelProposer(Proposer):
         # the calls are synchronous; on CUDA the step's one host read is at the end)
         self.last_first_pass = FirstPass(self._prefilled + sum(len(f) for f in feeds), len(active), 0.0)
         drafted: list[torch.Tensor] = []  # per step [n]
+        followed = [0] * len(active)  # proposals each row's grammar matcher has followed this step
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         for step in range(depth):
             if step:
                 logits, _ = self.runner.step_tokens(ids, drafted[-1])  # [B, 1, vocab]
                 step_logits = logits[rows_t, 0]
-            drafted.append(self._choose(step_logits, [requests[i] for i in active], step, probs))
+            drafted.append(self._choose(step_logits, [requests[i] for i in active], step, probs, grammars, followed))
             if step == 0 and device.type != "cuda":
                 self.last_first_pass = FirstPass(self.last_first_pass.tokens, len(active), time.perf_counter() - t0)
+        ends = [depth] * len(active)  # a row whose grammar ended (its stop token proposed) proposes no further
+        for j, (grammar, n) in enumerate(zip(grammars, followed)):
+            if grammar is not None:
+                if grammar.done and n:  # ended this step (one that ended before constrains nothing)
+                    ends[j] = n
+                grammar.rollback(n)  # back to the end of the output: the target decides what stays
         proposals = torch.stack(drafted, dim=1).tolist()  # [n, depth]: the one host read
-        return self._finish(requests, ks, active, proposals, probs)
+        return self._finish(requests, ks, active, proposals, probs, ends)
 
     def _finish(self, requests: list[ProposalRequest], ks: list[int], active: list[int],
-                proposals: list[list[int]], probs: list[list[torch.Tensor]]) -> list[Proposal]:
+                proposals: list[list[int]], probs: list[list[torch.Tensor]],
+                ends: list[int] | None = None) -> list[Proposal]:
         out = [Proposal([]) for _ in requests]
         for j, i in enumerate(active):
             r, k = requests[i], ks[i]
             # the cache holds the truth and the first k - 1 proposals (the rest were padding steps)
             self.runner.truncate(r.seq_id, len(r.token_ids) + k - 1)
             self.fed[r.seq_id] = list(r.token_ids) + proposals[j][:k - 1]
-            out[i] = Proposal(proposals[j][:k], torch.stack(probs[j][:k]) if probs[j] else None)
+            n = k if ends is None else min(k, ends[j])
+            out[i] = Proposal(proposals[j][:n], torch.stack(probs[j][:n]) if probs[j] else None)
         return out
 
     def _catch_up(self, r: ProposalRequest, keep: set[str]) -> list[int]:
@@ -126,10 +142,17 @@ class DraftModelProposer(Proposer):
             self.release(victim)
 
     @staticmethod
-    def _choose(logits: torch.Tensor, requests: list[ProposalRequest], step: int,
-                probs: list[list[torch.Tensor]]) -> torch.Tensor:
+    def _choose(logits: torch.Tensor, requests: list[ProposalRequest], step: int, probs: list[list[torch.Tensor]],
+                grammars: list[GrammarState | None], followed: list[int]) -> torch.Tensor:
         """This step's proposal per row `[n]` on the device: the argmax for greedy requests, a draw
-        at (seed, position) from the processed distribution for sampled ones (kept in `probs`)."""
+        at (seed, position) from the processed distribution for sampled ones (kept in `probs`),
+        among the tokens its response format allows (the matcher then follows the proposal)."""
+        masks = [g.next_mask() if g is not None and followed[j] == step else None for j, g in enumerate(grammars)]
+        if any(m is not None for m in masks):
+            logits = logits.clone()
+            for j, mask in enumerate(masks):
+                if mask is not None:
+                    logits[j:j + 1] = apply_mask(logits[j:j + 1], mask)
         tokens = torch.argmax(logits, dim=-1)  # [n]
         for j, r in enumerate(requests):
             if not r.sampling.greedy:
@@ -137,10 +160,35 @@ class DraftModelProposer(Proposer):
                 position = len(r.token_ids) + step
                 tokens[j] = inverse_cdf(q, uniforms(r.seed, position, 1, "draft", logits.device))[0]
                 probs[j].append(q[0])
+            if masks[j] is not None and grammars[j].try_accept(int(tokens[j])):  # a host read per masked row
+                followed[j] += 1
         return tokens
+
+    def _grammar(self, r: ProposalRequest) -> GrammarState | None:
+        """The sequence's response-format matcher at the end of its output; None without one, or
+        where the output does not follow it (then the draft proposes freely: only speed is lost)."""
+        fmt = r.sampling.response_format
+        if fmt is None:
+            return None
+        output = r.token_ids[r.prompt_len:]
+        held = self._grammar_states.get(r.seq_id)
+        try:
+            if held is None or held[1] > len(output):
+                if self._grammars is None:
+                    self._grammars = Grammars(self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids,
+                                              max_rollback=MAX_SPECULATIVE_TOKENS)
+                held = (self._grammars.state(fmt), 0)
+            state, consumed = held
+            state.advance(output[consumed:])
+        except (ValueError, RuntimeError):
+            self._grammar_states.pop(r.seq_id, None)
+            return None
+        self._grammar_states[r.seq_id] = (state, len(output))
+        return state
 
     def release(self, seq_id: str) -> None:
         self.fed.pop(seq_id, None)
+        self._grammar_states.pop(seq_id, None)
         self.runner.remove(seq_id)
 
     def num_cached_sequences(self) -> int:

@@ -11,6 +11,10 @@ first j of them), then rolls back. A proposal the grammar forbids ends the draft
 never be accepted, and the positions after it have no grammar state to mask with. The target's
 logits are masked before greedy or sampled verification, so the output is what plain decoding
 with the same grammar gives, and a proposal is judged against the constrained distribution.
+
+The draft follows the same grammar (app/proposers/draft_model.py keeps a matcher per sequence
+and masks each of its k passes), so its proposals are ones the target may accept: an
+unconstrained draft, which knows nothing of the schema, proposes mostly forbidden tokens.
 """
 
 from __future__ import annotations
@@ -60,6 +64,18 @@ class GrammarState:
         if n:
             self.matcher.rollback(n)
         return bitmask[:n + 1], n
+
+    def next_mask(self) -> torch.Tensor | None:
+        """The bitmask `[1, words]` of the next position; None when the grammar is done."""
+        return None if self.done else self.masks([])[0]
+
+    def try_accept(self, token: int) -> bool:
+        """Follow a proposal (undo with rollback); False, and no move, where the grammar forbids it."""
+        return not self.done and self.matcher.accept_token(token)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
 
     def advance(self, tokens: list[int]) -> None:
         """Follow emitted tokens (each allowed by the mask it was drawn under)."""

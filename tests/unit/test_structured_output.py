@@ -123,3 +123,25 @@ def test_greedy_output_is_the_same_with_speculation_on_and_off(target_runner, dr
     off = generate(target_runner, None, encode, drive, params, 0, prompt)
     on = generate(target_runner, DraftModelProposer(runner=draft_runner), encode, drive, params, k, prompt)
     assert (on["tokens"], on["finish"]) == (off["tokens"], off["finish"])
+
+
+def test_the_draft_follows_the_grammar(target_runner, draft_runner, encode, drive) -> None:
+    """The draft masks its passes with the same grammar, so the target cuts none of its proposals
+    (the embedded draft, left free, proposes Python where JSON must come)."""
+    engine = SpecEngine(target_runner, DraftModelProposer(runner=draft_runner))
+    engine.add("s", encode(PROMPT), SamplingParams(max_tokens=96, response_format=FORMATS[2]), k=4)
+    out = drive(engine)["s"]
+    assert out["finish"] == "stop" and out["drafted"] > 20
+    assert engine.grammar_cut_tokens == 0
+    assert out["accepted"] / out["drafted"] > 0.4
+
+
+def test_the_draft_channel_carries_the_response_format() -> None:
+    from app.draft_channel import decode_request, encode_request
+    from app.draft_protocol import DraftSeqDelta, DraftStepRequest
+
+    seqs = [DraftSeqDelta("a", 0, 0, [1, 2, 3], 4, SamplingParams(response_format=FORMATS[2]), 7, 2),
+            DraftSeqDelta("b", 0, 0, [4], 2, SamplingParams(temperature=0.5, top_k=3, response_format=FORMATS[1]), 8, 1),
+            DraftSeqDelta("c", 0, 0, [5], 3, SamplingParams(), 9, 1)]
+    back = decode_request(encode_request(DraftStepRequest("client", seqs)))
+    assert back.seqs == seqs
