@@ -51,15 +51,18 @@ def write_checkpoint(path: Path, shape: str, vocab: int) -> Path:
     from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
+    # a special token matches inside words too: "t1" as EOS would split "t1004" in two, so a smaller
+    # vocabulary takes its last id, which no prompt uses and no other word starts with
+    eos = EOS if EOS < vocab else vocab - 1
     LlamaConfig(vocab_size=vocab, max_position_embeddings=131072, rope_theta=500000.0, bos_token_id=None,
-                eos_token_id=EOS % vocab, pad_token_id=0,
+                eos_token_id=eos, pad_token_id=0,
                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192},
                 **SHAPES[shape]).save_pretrained(path)
-    GenerationConfig(eos_token_id=EOS % vocab, pad_token_id=0).save_pretrained(path)
+    GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{EOS % vocab}", pad_token="t0",
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{eos}", pad_token="t0",
                             unk_token="t0").save_pretrained(path)
     return path
 

@@ -127,3 +127,17 @@ def test_engine_measures_each_class_at_its_alpha(target_runner, draft_runner, en
     for cls, alpha in ALPHAS.items():
         assert tracker.samples(cls) > 150
         assert abs(tracker.alpha(cls) - alpha) < 0.1, (cls, tracker.alpha(cls), tracker.samples(cls))
+
+
+@pytest.mark.parametrize("vocab", [1024, 128256])
+def test_bench_checkpoints_tokenize_prompts_to_their_ids(tmp_path, vocab: int) -> None:
+    """References are keyed by the prompt's ids: the router's tokenization of a bench prompt must give
+    back exactly the ids it was written from (a special token such as EOS matches inside words)."""
+    from transformers import AutoTokenizer
+
+    from bench.serve_gpu import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "ckpt", "tiny", vocab)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = list(range(vocab // 64, vocab - vocab // 64, max(1, vocab // 1000)))
+    assert tokenizer(" ".join(f"t{i}" for i in ids))["input_ids"] == ids
