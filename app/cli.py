@@ -9,8 +9,8 @@ import sys
 from pydantic import ValidationError
 
 from app.config import load_engine_config
-from app.generate import build_engine, generate
-from app.sampling_params import SamplingParams
+from app.engine.generate import build_engine, generate
+from app.protocol.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

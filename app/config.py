@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.policy.decision import PolicyConfig
-from app.sampling_params import SamplingParams  # noqa: F401  (re-exported: modules that import it from here)
+from app.protocol.sampling_params import SamplingParams  # noqa: F401  (re-exported: modules that import it from here)
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 ProposerKind = Literal["draft_model", "ngram"]

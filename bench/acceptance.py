@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from app.acceptance import AcceptanceStats
+from app.engine.acceptance import AcceptanceStats
 from app.config import ModelSpec
-from app.engine import SpecEngine
-from app.generate import generate
+from app.engine.spec_engine import SpecEngine
+from app.engine.generate import generate
 from app.runners.model_runner import ModelRunner
 from app.proposers import DraftModelProposer, NgramProposer, Proposer
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 from app.train_pair import read_text, stdlib_files
 
 

@@ -4,7 +4,7 @@ versus concurrency, plain decoding vs speculative decoding, on the embedded CPU 
     .venv/bin/python -m bench.batch                                # 1,2,4,8,16,32; ~6 min
     .venv/bin/python -m bench.batch --levels 1,8,32 --duration 10 --rounds 2 --k 4
 
-What runs: one `SpecEngine` (app.generate.build_engine with configs/local.yaml's pair, the draft
+What runs: one `SpecEngine` (app.engine.generate.build_engine with configs/local.yaml's pair, the draft
 in-process) with `max_num_seqs` raised to the largest level. For each mode and concurrency c it
 keeps exactly c sequences in the engine (closed loop: when one finishes, a new one is added, so
 sequences join and leave at step boundaries as in serving) and calls `engine.step()` for
@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from app.config import PROJECT_ROOT, load_engine_config
-from app.engine import SpecEngine
-from app.generate import build_engine
-from app.sampling_params import SamplingParams
+from app.engine.spec_engine import SpecEngine
+from app.engine.generate import build_engine
+from app.protocol.sampling_params import SamplingParams
 
 from bench.load import PROMPTS  # the same code prompts as the load sweep
 LEVELS = (1, 2, 4, 8, 16, 32)

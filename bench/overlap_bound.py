@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.acceptance import expected_tokens_per_step
+from app.engine.acceptance import expected_tokens_per_step
 
 DEFAULT_RUN = Path(__file__).parent / "results" / "gpu-h200x2-int8.json"
 

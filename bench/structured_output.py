@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from app.acceptance import AcceptanceStats
+from app.engine.acceptance import AcceptanceStats
 from app.config import ModelSpec
-from app.engine import SpecEngine
+from app.engine.spec_engine import SpecEngine
 from app.proposers import DraftModelProposer
 from app.runners.model_runner import ModelRunner
-from app.sampling_params import SamplingParams, StructuredOutput
+from app.protocol.sampling_params import SamplingParams, StructuredOutput
 from bench.acceptance import heldout_prompts
 
 SCHEMA = {

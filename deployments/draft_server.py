@@ -2,9 +2,9 @@
 
 Serve is its control plane: target replicas find it through a handle (`channel()`, routed by
 the affinity request router so a target keeps to the replica that holds its sequences) and
-Serve checks its health. The per-step data goes over the draft channel (app/draft_channel.py),
+Serve checks its health. The per-step data goes over the draft channel (app/protocol/draft_channel.py),
 one socket round trip per target step for the whole batch. Its state is only a cache: a replica
-that lost a sequence answers *miss* and is sent the full token ids (app/draft_protocol.py).
+that lost a sequence answers *miss* and is sent the full token ids (app/protocol/draft.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import ray
 from ray import serve
 
 from app.config import AppConfig
-from app.sampling_params import SamplingParams
-from app.draft_channel import DraftChannelServer
-from app.draft_protocol import DraftSeqDelta, DraftStepRequest, DraftStepResponse, DraftWorker
+from app.protocol.sampling_params import SamplingParams
+from app.protocol.draft_channel import DraftChannelServer
+from app.protocol.draft import DraftSeqDelta, DraftStepRequest, DraftStepResponse, DraftWorker
 from app.proposers import DraftModelProposer
 from app.policy.step_profile import DraftTime
 from app.proposers.oracle import ReferenceProposer

@@ -21,9 +21,9 @@ from ray.serve import context as serve_context
 from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from app.acceptance import AcceptanceStats
-from app.generation_protocol import GenerateChunk, GenerateRequest
-from app.openai_protocol import SpeculationUsage, Usage, error_body
+from app.engine.acceptance import AcceptanceStats
+from app.protocol.generation import GenerateChunk, GenerateRequest
+from app.protocol.openai_api import SpeculationUsage, Usage, error_body
 from app.policy import SpeculationDecision
 
 from ray.serve.handle import DeploymentHandle

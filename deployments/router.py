@@ -26,9 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.api_key import ApiKeys, is_open_path
 from app.config import AppConfig, UserConfig
 from app.health import ProbeSettings, TargetHealth
-from app.generation_protocol import GenerateChunk, GenerateRequest
+from app.protocol.generation import GenerateChunk, GenerateRequest
 from app.runners.loading import load_tokenizer
-from app.openai_protocol import (
+from app.protocol.openai_api import (
     UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
     TokenizeRequest, best_of_order, chat_chunk, chat_response, completion_chunk, completion_response, error_body,
     logprobs_block, new_id,

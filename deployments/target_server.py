@@ -19,11 +19,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.config import AppConfig, PolicyConfig, UserConfig
-from app.draft_channel import DraftChannelClient
-from app.draft_protocol import DraftClient, DraftStepRequest, DraftStepResponse, DraftUnavailable
-from app.engine import Overloaded, SpecEngine
-from app.engine_loop import EngineLoop, stream_batches
-from app.generation_protocol import GenerateChunk, GenerateRequest
+from app.protocol.draft_channel import DraftChannelClient
+from app.protocol.draft import DraftClient, DraftStepRequest, DraftStepResponse, DraftUnavailable
+from app.engine.spec_engine import Overloaded, SpecEngine
+from app.engine.loop import EngineLoop, stream_batches
+from app.protocol.generation import GenerateChunk, GenerateRequest
 from app.host_steal import StealMeter
 from app.runners.model_runner import ContextOverflow, ModelRunner
 from app.runners.profile import profile_target
@@ -56,7 +56,7 @@ class ReplicaDraining(RuntimeError):
 
 
 class RemoteDraftTransport:
-    """Carries DraftStepRequests to a draft replica over the draft channel (app/draft_channel.py), the
+    """Carries DraftStepRequests to a draft replica over the draft channel (app/protocol/draft_channel.py), the
     replica found through a Serve handle; a dead draft makes the engine go plain for a while."""
 
     def __init__(self, handle: DeploymentHandle, client_id: str) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.acceptance import expected_tokens_per_step  # noqa: F401  (re-exported by app.policy)
+from app.engine.acceptance import expected_tokens_per_step  # noqa: F401  (re-exported by app.policy)
 
 if TYPE_CHECKING:  # app.proposers imports app.config, which imports this package
     from app.proposers.base import FirstPass

@@ -141,14 +141,14 @@ class PolicyConfig(_Strict):
     sequence_prior_weight: float = Field(
         24.0, gt=0.0,
         description="pseudo-trials of its prompt class's acceptance that a sequence's own estimate starts from "
-                    "(app/acceptance.py token_alpha): how far its own steps move it. Measured on the embedded pair "
+                    "(app/engine/acceptance.py token_alpha): how far its own steps move it. Measured on the embedded pair "
                     "(bench/draft_agreement.py): per-prompt acceptance spreads like a Beta prior of 23 (code) to 38 "
                     "(prose) pseudo-trials; lighter, a few lucky steps make sequences look far better than their "
                     "class and the planner drafts on noise")
     acceptance_optimism: float = Field(
         1.0, ge=0.0,
         description="standard deviations added to a sequence's own acceptance estimate when the step planner "
-                    "decides whether it joins a drafting step (app/acceptance.py token_alpha_upper; its depth comes "
+                    "decides whether it joins a drafting step (app/engine/acceptance.py token_alpha_upper; its depth comes "
                     "from the mean): keeps an unlucky start from freezing it plain. A step that drafts only on "
                     "optimism stays plain (step_plan.plan_step_optimistic): measured on the CPU app, optimism "
                     "deciding alone makes auto draft at 1 stream and lose 4 % to 'off', none at all makes it draft "

@@ -220,7 +220,7 @@ def plan_step_optimistic(candidates: list[StepCandidate], costs: StepCosts, **kw
     acceptance (`alpha_upper`) and *how deep* on its mean (`alpha`).
 
     Optimism keeps a sequence whose estimate fell after one unlucky step drafting, so its
-    estimate can recover (app/acceptance.py token_alpha_upper), but only in a step that drafts on
+    estimate can recover (app/engine/acceptance.py token_alpha_upper), but only in a step that drafts on
     the mean as well: a step whose draft call only optimism would start stays plain. Choosing
     the depth on it as well drafts too deep: measured at 1 stream on the CPU app, the planner then
     drafted 6.5 tokens per drafting step at acceptance 0.46 and fell below both fixed policies.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

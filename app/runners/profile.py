@@ -23,7 +23,7 @@ import torch
 from app.policy.step_profile import DraftTime, PassTime
 from app.proposers.base import Proposer, ProposalRequest
 from app.runners.model_runner import ModelRunner
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 SCRATCH = "__profile__"
 

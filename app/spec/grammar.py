@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from app.sampling_params import StructuredOutput
+from app.protocol.sampling_params import StructuredOutput
 from app.runners.transfer import to_device
 
 _BITS = 32  # xgrammar's bitmask: int32 words, bit i of word w is token 32 w + i

@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 from app.runners.transfer import to_device
 from app.spec.grammar import apply_mask
 

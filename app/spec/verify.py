@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 from app.runners.transfer import to_device
 from app.spec.grammar import apply_mask
 from app.spec.sampling import adjust_logits, inverse_cdf, processed_probs, uniforms

@@ -66,8 +66,8 @@ def test_graphs_equal_eager_passes(checkpoint, quantization) -> None:
 
 
 def test_engine_with_a_draft_equals_plain_greedy_on_cuda(checkpoint) -> None:
-    from app.sampling_params import SamplingParams
-    from app.engine import SpecEngine
+    from app.protocol.sampling_params import SamplingParams
+    from app.engine.spec_engine import SpecEngine
     from app.proposers import DraftModelProposer
 
     target, draft = _runner(checkpoint, True), _runner(checkpoint, True, "int8")

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from app.config import load_engine_config
-from app.generate import GenerationResult, build_engine, generate
-from app.sampling_params import SamplingParams
+from app.engine.generate import GenerationResult, build_engine, generate
+from app.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.serve
 

@@ -61,7 +61,7 @@ def _stub_target():
 
         async def generate(self, request):
             """Three tokens in two chunks, like an engine's steps."""
-            from app.generation_protocol import GenerateChunk
+            from app.protocol.generation import GenerateChunk
 
             yield GenerateChunk([11, 12], "ab", None, replica="stub")
             yield GenerateChunk([13], "c", "length", replica="stub")

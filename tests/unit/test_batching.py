@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from app.config import EngineLimits
-from app.engine import Overloaded, SpecEngine
+from app.engine.spec_engine import Overloaded, SpecEngine
 from app.proposers import DraftModelProposer, NgramProposer
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 # (prompt, max_tokens, k): mixed lengths 8..40 and depths 0 and 2..5
 REQUESTS = [

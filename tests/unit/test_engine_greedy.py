@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine import SpecEngine
+from app.engine.spec_engine import SpecEngine
 from app.proposers import DraftModelProposer, NgramProposer
 from app.proposers.oracle import OracleProposer
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 MAX_TOKENS = 32
 KINDS = ["draft_model", "ngram", "always_right", "always_wrong"]

@@ -1,4 +1,4 @@
-"""The engine loop's idle path (app/engine_loop.py): pending draft releases are sent only after a
+"""The engine loop's idle path (app/engine/loop.py): pending draft releases are sent only after a
 quiet spell, so a request that arrives right after the engine went idle is not held behind the
 call to the draft replica."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from app.engine_loop import EngineLoop
+from app.engine.loop import EngineLoop
 
 
 class FakeProposer:

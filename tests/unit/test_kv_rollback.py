@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from app.sampling_params import SamplingParams
-from app.engine import SpecEngine
+from app.protocol.sampling_params import SamplingParams
+from app.engine.spec_engine import SpecEngine
 from app.proposers import DraftModelProposer
 from app.proposers.base import ProposalRequest
 from app.runners.model_runner import ModelRunner

@@ -10,9 +10,9 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from app.acceptance import AcceptanceStats
-from app.generation_protocol import GenerateChunk
-from app.openai_protocol import SpeculationUsage, Usage
+from app.engine.acceptance import AcceptanceStats
+from app.protocol.generation import GenerateChunk
+from app.protocol.openai_api import SpeculationUsage, Usage
 from deployments.request_run import RequestError, admit, collect, combined_usage, merged_chunks
 
 

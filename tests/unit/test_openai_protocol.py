@@ -1,4 +1,4 @@
-"""The OpenAI request models (app/openai_protocol.py): every field is implemented, or refused by
+"""The OpenAI request models (app/protocol/openai_api.py): every field is implemented, or refused by
 name when set to anything but null or a value that asks for nothing — never silently ignored."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.openai_protocol import (
+from app.protocol.openai_api import (
     NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     TokenizeChatRequest, TokenizeCompletionRequest, template_messages, tokenize_model,
 )
-from app.sampling_params import StructuredOutput
+from app.protocol.sampling_params import StructuredOutput
 
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "def f():\n"}
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -49,7 +49,7 @@ def test_stop_token_ids_min_tokens_and_logit_bias_reach_the_engine() -> None:
 
 
 def test_logprobs_blocks_have_openais_shapes() -> None:
-    from app.openai_protocol import logprobs_block
+    from app.protocol.openai_api import logprobs_block
 
     decode = {5: "ab", 6: "c", 7: "é"}.__getitem__
     tokens = [(5, -0.1, [(5, -0.1), (6, -2.5)]), (7, -0.7, [(7, -0.7), (5, -1.0)])]
@@ -196,7 +196,7 @@ def test_n_and_best_of() -> None:
 
 
 def test_best_of_keeps_the_highest_mean_logprob() -> None:
-    from app.openai_protocol import best_of_order
+    from app.protocol.openai_api import best_of_order
 
     scores = [[-1.0, -1.0], [-0.1], [-3.0, -0.1, -0.2], []]  # means -1, -0.1, -1.1, none
     assert best_of_order(scores, 2) == [1, 0]

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from app.config import EngineConfig, ModelSpec, SpeculationConfig
-from app.engine import ProposerUnavailable, SpecEngine
+from app.engine.spec_engine import ProposerUnavailable, SpecEngine
 from app.proposers import DraftModelProposer, NgramProposer, make_proposer
 from app.proposers.base import Proposal, ProposalRequest, Proposer
 from app.proposers.ngram import ngram_lookup
 from app.proposers.oracle import OracleProposer
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32)
 
@@ -74,7 +74,7 @@ def test_draft_greedy_proposals_are_the_drafts_greedy_continuation(draft_runner,
 
 
 def test_draft_reports_its_first_pass_so_catch_ups_are_told_from_draft_steps(draft_runner, encode):
-    from app.draft_protocol import DraftClient, DraftWorker
+    from app.protocol.draft import DraftClient, DraftWorker
 
     proposer = DraftModelProposer(runner=draft_runner)
     ids = [encode(p) for p in PROMPTS[:2]]

@@ -1,5 +1,5 @@
 """pyproject's requires-python states what is tested: the served code needs Python 3.11
-(asyncio.timeout in deployments/request_run.py and app/engine_loop.py), and CI runs 3.11."""
+(asyncio.timeout in deployments/request_run.py and app/engine/loop.py), and CI runs 3.11."""
 
 from __future__ import annotations
 

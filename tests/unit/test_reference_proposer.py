@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from app.engine import SpecEngine
+from app.engine.spec_engine import SpecEngine
 from app.policy import classify_prompt
 from app.policy.trackers import AcceptanceTracker
 from app.proposers import DraftModelProposer
 from app.proposers.base import Proposal, ProposalRequest, Proposer
 from app.proposers.oracle import ReferenceProposer
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 from .conftest import CODE_PROMPTS, PROSE_PROMPTS
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from app.generation_protocol import GenerateChunk, GenerateRequest
-from app.sampling_params import SamplingParams
+from app.protocol.generation import GenerateChunk, GenerateRequest
+from app.protocol.sampling_params import SamplingParams
 from deployments.request_run import RequestRun
 
 

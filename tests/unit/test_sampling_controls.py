@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine import SpecEngine
+from app.engine.spec_engine import SpecEngine
 from app.proposers import DraftModelProposer
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 PROMPT = "def read_config(path):\n"
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from app.sampling_params import SamplingParams
-from app.engine import SpecEngine
+from app.protocol.sampling_params import SamplingParams
+from app.engine.spec_engine import SpecEngine
 from app.proposers import DraftModelProposer
 from app.spec.sampling import inverse_cdf, processed_probs, uniform
 from app.spec.verify import RowToVerify, Verified, verify_batch

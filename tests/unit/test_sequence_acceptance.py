@@ -1,4 +1,4 @@
-"""A sequence's own acceptance estimate (app/acceptance.py) as the step planner reads it: the
+"""A sequence's own acceptance estimate (app/engine/acceptance.py) as the step planner reads it: the
 mean shrunk to its class prior, and the optimistic estimate that keeps an unlucky start from
 freezing the sequence plain."""
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from app.acceptance import AcceptanceStats
+from app.engine.acceptance import AcceptanceStats
 from app.policy import StepCandidate, StepCosts, StepCostsConfig, plan_step, plan_step_optimistic
 
 

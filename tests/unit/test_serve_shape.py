@@ -312,9 +312,9 @@ def test_target_reconfigure_swaps_only_changed_step_parts() -> None:
 
 
 def test_drain_refuses_new_streams_and_waits_for_open_ones() -> None:
-    from app.engine import SeqUpdate
-    from app.generation_protocol import GenerateRequest
-    from app.sampling_params import SamplingParams
+    from app.engine.spec_engine import SeqUpdate
+    from app.protocol.generation import GenerateRequest
+    from app.protocol.sampling_params import SamplingParams
     from deployments.target_server import ReplicaDraining
 
     async def scenario() -> None:
@@ -361,8 +361,8 @@ def test_drain_is_bounded_by_the_request_timeout() -> None:
 
 
 def test_cancelled_stream_frees_its_sequence_at_once() -> None:
-    from app.generation_protocol import GenerateRequest
-    from app.sampling_params import SamplingParams
+    from app.protocol.generation import GenerateRequest
+    from app.protocol.sampling_params import SamplingParams
 
     async def scenario() -> None:
         server = _bare_target()

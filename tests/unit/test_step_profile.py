@@ -60,7 +60,7 @@ def test_a_target_replica_seeds_the_draft_replicas_profile_once_it_has_its_chann
     cost model takes it at the first drafting step after, once per profile."""
     from types import SimpleNamespace
 
-    from app.draft_protocol import DraftClient
+    from app.protocol.draft import DraftClient
     from app.proposers.base import FirstPass
     from deployments.draft_server import ChannelInfo
     from deployments.step_window import StepWindow

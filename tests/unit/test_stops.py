@@ -13,11 +13,11 @@ import copy
 
 import pytest
 
-from app.detokenizer import StopChecker
-from app.engine import SpecEngine
+from app.engine.detokenizer import StopChecker
+from app.engine.spec_engine import SpecEngine
 from app.proposers import DraftModelProposer
 from app.proposers.oracle import OracleProposer
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 FOX = "The quick brown fox"  # greedy: ' jumps over the original Python module.\n\nThe "as" is a ...'
 

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from app.engine import SeqUpdate
-from app.engine_loop import stream_updates
+from app.engine.spec_engine import SeqUpdate
+from app.engine.loop import stream_updates
 
 
 def update(token: int, finish: str | None = None) -> SeqUpdate:
@@ -71,7 +71,7 @@ def test_engine_error_is_raised_to_the_consumer() -> None:
 
 
 def test_a_slow_reader_gets_every_waiting_step_in_one_batch() -> None:
-    from app.engine_loop import stream_batches
+    from app.engine.loop import stream_batches
 
     async def run() -> list[list[int]]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -90,7 +90,7 @@ def test_a_slow_reader_gets_every_waiting_step_in_one_batch() -> None:
 
 
 def test_a_merged_chunk_keeps_each_steps_drafts_and_origins() -> None:
-    from app.generation_protocol import GenerateChunk
+    from app.protocol.generation import GenerateChunk
 
     one = GenerateChunk([7, 8, 9], "abc", None, drafted=4, accepted=2)
     assert one.parts() == ((3, 4, 2),) and one.origins() == [True, True, False]

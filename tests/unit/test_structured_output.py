@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.engine import SpecEngine
+from app.engine.spec_engine import SpecEngine
 from app.proposers import DraftModelProposer
 from app.proposers.base import Proposal, ProposalRequest, Proposer
-from app.sampling_params import SamplingParams, StructuredOutput
+from app.protocol.sampling_params import SamplingParams, StructuredOutput
 from app.spec.grammar import Grammars, apply_mask
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -137,8 +137,8 @@ def test_the_draft_follows_the_grammar(target_runner, draft_runner, encode, driv
 
 
 def test_the_draft_channel_carries_the_response_format() -> None:
-    from app.draft_channel import decode_request, encode_request
-    from app.draft_protocol import DraftSeqDelta, DraftStepRequest
+    from app.protocol.draft_channel import decode_request, encode_request
+    from app.protocol.draft import DraftSeqDelta, DraftStepRequest
 
     seqs = [DraftSeqDelta("a", 0, 0, [1, 2, 3], 4, SamplingParams(response_format=FORMATS[2]), 7, 2),
             DraftSeqDelta("b", 0, 0, [4], 2, SamplingParams(temperature=0.5, top_k=3, response_format=FORMATS[1]), 8, 1),

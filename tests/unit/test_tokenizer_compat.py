@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.config import PROJECT_ROOT, EngineConfig, ModelSpec
-from app.generate import build_engine
+from app.engine.generate import build_engine
 from app.runners.loading import load_tokenizer
 from app.tokenizer_compat import IncompatibleDraft, check_compatible
 

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, fi
 from pydantic_core import PydanticCustomError
 
 from app.config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpeculationMode
-from app.sampling_params import StructuredOutput
+from app.protocol.sampling_params import StructuredOutput
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64

@@ -14,8 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from app.sampling_params import SamplingParams
-from app.engine import SeqUpdate, SpecEngine
+from app.protocol.sampling_params import SamplingParams
+from app.engine.spec_engine import SeqUpdate, SpecEngine
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from app.acceptance import AcceptanceStats
+from app.engine.acceptance import AcceptanceStats
 from app.config import EngineConfig
-from app.engine import FinishReason, SpecEngine, StepPlanner
+from app.engine.spec_engine import FinishReason, SpecEngine, StepPlanner
 from app.runners.model_runner import ModelRunner
 from app.proposers import DraftModelProposer, Proposer, make_proposer
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 from app.tokenizer_compat import check_compatible
 
 

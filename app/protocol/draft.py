@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer, ProposerUnavailable
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.sampling_params import SamplingParams
+from app.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,10 @@ from typing import Callable, Literal
 
 import torch
 
-from app.acceptance import AcceptanceStats
+from app.engine.acceptance import AcceptanceStats
 from app.config import EngineLimits
-from app.sampling_params import SamplingParams
-from app.detokenizer import StopChecker
+from app.protocol.sampling_params import SamplingParams
+from app.engine.detokenizer import StopChecker
 from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
 from app.runners.model_runner import ContextOverflow, ModelRunner
 from app.spec.grammar import GrammarState, Grammars

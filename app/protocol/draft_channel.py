@@ -25,8 +25,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from app.sampling_params import SamplingParams, StructuredOutput
-from app.draft_protocol import DraftSeqDelta, DraftStepRequest, DraftStepResponse, DraftUnavailable
+from app.protocol.sampling_params import SamplingParams, StructuredOutput
+from app.protocol.draft import DraftSeqDelta, DraftStepRequest, DraftStepResponse, DraftUnavailable
 from app.proposers.base import FirstPass, Proposal
 
 log = logging.getLogger(__name__)
