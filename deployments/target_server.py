@@ -391,6 +391,8 @@ class TargetServer:
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         try:
+            if request.sampling.response_format is not None:  # compiled off the event loop and the engine's lock
+                await asyncio.to_thread(self.engine.prepare, request.sampling)
             queue = self.loop.submit(request.request_id, request.prompt_ids, request.sampling, request.k,
                                      adaptive=request.adaptive, alpha_prior=request.alpha_prior,
                                      output_ids=list(request.output_ids))

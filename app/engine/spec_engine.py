@@ -21,6 +21,7 @@ tensors. Synchronous and Ray-free: the Serve target deployment drives `step()` f
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ class SpecEngine:
         self.queue_times: list[float] = []  # seconds admitted requests waited; the caller drains it
         self._special_ids = frozenset(getattr(runner.tokenizer, "all_special_ids", ()) or ())
         self._grammars: Grammars | None = None  # built on the first request with a response format
+        self._grammars_lock = threading.Lock()  # prepare() runs on other threads than step()
 
     # ---- admission -------------------------------------------------------------------
     def add(
@@ -194,14 +196,25 @@ class SpecEngine:
                                      prefill_len=len(prompt_ids) + len(resumed), grammar=grammar,
                                      adaptive=adaptive, alpha_prior=alpha_prior))
 
+    def prepare(self, sampling: SamplingParams) -> None:
+        """Compile the request's response format before add(), which then finds it cached: reading
+        a large vocabulary and compiling a large schema take up to seconds, which a caller spends
+        on its own thread instead of holding up every sequence's steps. ValueError for a bad schema."""
+        if sampling.response_format is not None:
+            self._compiler().compile(sampling.response_format)
+
+    def _compiler(self) -> Grammars:
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids,
+                                          max_rollback=self.max_k + 1)
+            return self._grammars
+
     def _grammar(self, sampling: SamplingParams, resumed: list[int]) -> GrammarState | None:
         """The response format's matcher after the output so far; ValueError for a bad schema."""
         if sampling.response_format is None:
             return None
-        if self._grammars is None:
-            self._grammars = Grammars(self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids,
-                                      max_rollback=self.max_k + 1)
-        grammar = self._grammars.state(sampling.response_format)
+        grammar = self._compiler().state(sampling.response_format)
         try:
             grammar.advance(resumed)
         except RuntimeError as e:

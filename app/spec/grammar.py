@@ -114,6 +114,11 @@ class Grammars:
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e)).strip()
             raise ValueError(f"response_format json_schema cannot be compiled: {reason}") from None
 
+    def compile(self, fmt: StructuredOutput) -> None:
+        """Compile (and cache) a format ahead of state(): a large schema takes a while, which a
+        caller can spend outside the engine's lock. ValueError for a schema the compiler refuses."""
+        self._compile(fmt)
+
     def state(self, fmt: StructuredOutput) -> GrammarState:
         """A matcher at the start of the output; ValueError for a schema the compiler refuses."""
         matcher = self._xgr.GrammarMatcher(self._compile(fmt), max_rollback_tokens=self.max_rollback)

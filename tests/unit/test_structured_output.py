@@ -145,3 +145,17 @@ def test_the_draft_channel_carries_the_response_format() -> None:
             DraftSeqDelta("c", 0, 0, [5], 3, SamplingParams(), 9, 1)]
     back = decode_request(encode_request(DraftStepRequest("client", seqs)))
     assert back.seqs == seqs
+
+
+def test_prepare_compiles_ahead_so_add_finds_the_grammar(target_runner, encode) -> None:
+    engine = SpecEngine(target_runner, None)
+    params = SamplingParams(response_format=StructuredOutput(type="json_schema", schema_text=json.dumps(
+        {"type": "object", "properties": {"prepared": {"type": "boolean"}}})))
+    engine.prepare(params)
+    compiled = engine._grammars._compile.cache_info()
+    engine.add("s", encode(PROMPT), params)
+    after = engine._grammars._compile.cache_info()
+    assert (after.misses, after.hits) == (compiled.misses, compiled.hits + 1)
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        engine.prepare(SamplingParams(response_format=StructuredOutput(type="json_schema", schema_text='{"type": 5}')))
+    engine.prepare(SamplingParams())  # free text: nothing to compile
