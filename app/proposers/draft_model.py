@@ -160,8 +160,11 @@ class DraftModelProposer(Proposer):
                 position = len(r.token_ids) + step
                 tokens[j] = inverse_cdf(q, uniforms(r.seed, position, 1, "draft", logits.device))[0]
                 probs[j].append(q[0])
-            if masks[j] is not None and grammars[j].try_accept(int(tokens[j])):  # a host read per masked row
-                followed[j] += 1
+        masked = [j for j, m in enumerate(masks) if m is not None]
+        if masked:  # the matchers follow this pass's proposals: one host read for the masked rows
+            for j, token in zip(masked, tokens[masked].tolist()):
+                if grammars[j].try_accept(token):
+                    followed[j] += 1
         return tokens
 
     def _grammar(self, r: ProposalRequest) -> GrammarState | None:
