@@ -323,7 +323,6 @@ class Router:
             "ingested": {f"{replica}/{kind}": seq for (replica, kind), seq in dict(self.policy._seen).items()},
             "target_curve": [p for p in costs.target_points() if p[2]],
             "draft_curve": [p for p in costs.draft_points() if p[2]],
-            "machine_speed": costs.speed,
             "exchange_s": costs.t_exchange,
             "alpha": {c: self.policy.acceptance.alpha(c) for c in ("code", "prose", "chat")},
             "registry": {name: {r: {"stats": s, "seen_s_ago": time.monotonic() - t} for r, (s, t) in dict(reps).items()}

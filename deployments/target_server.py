@@ -306,15 +306,12 @@ class TargetServer:
         if self._planned is not None:
             plan, candidates = self._planned
             self._planned = None
-            self.policy.observe_step(plan, len(candidates), seconds - times.prefill)  # newcomers' prefill is not the plan's
             self._plans_seen += 1
             self._depths[plan.depth] = self._depths.get(plan.depth, 0) + 1
             if self._plans_seen % 500 == 0:
                 # what the planner saw at this step: its predicted goodput at each common depth
-                cal = self.policy.calibration
-                log.info("step plans by depth %s; last plan %s%s", dict(sorted(self._depths.items())),
-                         self.policy.depth_report(candidates),
-                         f"; step-time calibration {cal.snapshot()}" if cal is not None else "")
+                log.info("step plans by depth %s; last plan %s", dict(sorted(self._depths.items())),
+                         self.policy.depth_report(candidates))
                 self._depths.clear()
         drafted = sum(u.drafted for u in updates)
         accepted = sum(u.accepted for u in updates)
@@ -432,13 +429,9 @@ class TargetServer:
         return report
 
     def policy_state(self) -> dict:
-        """The step planner's calibration (realized / predicted step time per 'b{bucket}/k{depth}'), the
-        mode arbiter's measured goodput per batch bucket, and the step costs profiled at start-up (ms per
+        """The mode arbiter's measured goodput per batch bucket, and the step costs profiled at start-up (ms per
         target pass '{batch}x{width}' and per draft step '{batch}x{depth}'; empty on the CPU)."""
-        cal = self.policy.calibration
-        return {"calibration": cal.snapshot() if cal is not None else {},
-                "calibration_probes": cal.probes if cal is not None else 0,
-                "start_profile": {**self.profile.summary(),
+        return {"start_profile": {**self.profile.summary(),
                                   **(self._draft_profile_seeded.summary() if self._draft_profile_seeded else {})},
                 "step_modes": self.arbiter.snapshot() if self.arbiter is not None else {}}
 

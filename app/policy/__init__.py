@@ -6,7 +6,6 @@ from what it measures. Above the planner, `ModeArbiter` runs each batch size in 
 (the planner, all 'on', all 'off') measured the best goodput there (mode_arbiter.py).
 """
 
-from .calibration import StepTimeCalibration, batch_bucket
 from .cost_model import (
     CostCurve,
     StepCosts,
@@ -25,6 +24,7 @@ from .decision import (
     SpeculationPolicy,
 )
 from .mode_arbiter import MODES, ModeArbiter, ModeArbiterConfig, StepMode
+from .step_mode import batch_bucket
 from .step_plan import PlainHold, StepCandidate, StepExplorer, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor, PromptClass, classify_prompt
 
@@ -49,7 +49,6 @@ __all__ = [
     "StepCandidate",
     "StepExplorer",
     "PlainHold",
-    "StepTimeCalibration",
     "StepPlan",
     "best_k",
     "best_spec_k",

@@ -154,18 +154,12 @@ class CostCurve:
         ema.observe(seconds)  # the first observation replaces the prior (step 1/1)
         self._fit = None
 
-    def measured_at(self, tokens: float) -> float | None:
-        """The decaying mean of the passes measured in this token count's bucket (no fit), or None."""
-        ema = self._measured.get(self._bucket(tokens))
-        return ema.value if ema is not None else None
-
-    def points(self, scale: float = 1.0) -> list[tuple[int, float, bool]]:
-        """(tokens, seconds, measured?): every measured count plus the grid between, for logs;
-        seconds times `scale` (StepCosts keeps its curves at a reference machine speed)."""
+    def points(self) -> list[tuple[int, float, bool]]:
+        """(tokens, seconds, measured?): every measured count plus the grid between, for logs."""
         ts, vs = self._fitted()
         measured = {int(t): v for t, v in zip(ts, vs)}
-        out = [(t, v * scale, True) for t, v in measured.items()]
-        out += [(g, self(g) * scale, False) for g in self._grid if g not in measured]
+        out = [(t, v, True) for t, v in measured.items()]
+        out += [(g, self(g), False) for g in self._grid if g not in measured]
         return sorted(out)
 
 
@@ -177,7 +171,6 @@ class StepCostsConfig(BaseModel):
     target_step_s: float = Field(0.020, gt=0, description="target forward at 1 token (weight-read bound)")
     knee_tokens: float = Field(64.0, gt=0, description="tokens per pass where the target turns compute-bound")
     draft_ratio: float = Field(0.25, gt=0, description="draft step time / target step time")
-    draft_knee_tokens: float | None = Field(None, gt=0, description="defaults to knee_tokens")
     exchange_s: float = Field(0.001, ge=0, description="one batched draft<->target exchange per step")
     overhead_s: float = Field(
         0.0, ge=0,
@@ -193,66 +186,41 @@ class StepCostsConfig(BaseModel):
         description="seconds each streamed chunk keeps the processes beside the engine busy (router, proxy) on the "
                     "core the engine leaves free: a step lasts at least batch * chunk_beside_s, so this binds only "
                     "where the batch's chunks outlast the step (step_plan.py); 0 where they run elsewhere")
-    draft_prefill_per_token_s: float | None = Field(None, ge=0, description="defaults to the draft curve's slope past its knee")
-    decay: float = Field(0.1, gt=0, le=1, description="weight of a new measurement once warmed up")
-    speed_decay: float = Field(
-        0.0, ge=0, le=1,
-        description="weight of a new measurement in the machine-speed factor (StepCosts): how fast a slowdown "
-                    "common to every pass (a busy host, a throttled clock) is taken as the machine's, not as the "
-                    "measured pass kind's, e.g. 0.5; 0 (default): no speed factor (each curve keeps what it last "
-                    "measured). Off by default: on the 2-core CPU app drafting itself slows the target's passes (the "
-                    "draft process takes CPU), a slowdown the factor wrongly spreads to plain steps; with it on at "
-                    "0.5, auto falls to 0.88 of 'on' at 4 streams")
+
+
+# Weight of a new step-time measurement once a point has warmed up (every curve, the exchange, the
+# host time, the draft's prefill rate): ~10 steps of memory follow a change in load within a
+# fraction of a second, while one noisy step moves a price by a tenth of its error.
+MEASUREMENT_DECAY = 0.1
 
 
 class StepCosts:
     """Measured step times: t_decode(b), t_verify(b, k), t_draft(b), t_exchange, t_draft_prefill(P).
 
-    With `speed_decay` > 0 (off by default: see its description), every measured time is stored
-    divided by a **machine-speed factor** and read back multiplied by its current value. Why: the
-    policy compares kinds of step that are measured at different moments. At 1 stream on the CPU
-    app the plain step is measured ~140 times a second and the drafting step's parts only when it
-    drafts; when the host slows down, the plain step's price rises while the drafting parts keep the
-    price of a faster moment, drafting looks cheaper than it is, and without the factor the planner
-    drafted in bursts exactly then and lost 3 % to plain decoding (the plain step's price swung
-    6.2-9.2 ms between reports).
-    A pass measured again at a token count measured before says how much slower or faster the
-    machine is than when that count was stored; the factor follows that ratio quickly
-    (`speed_decay`) and a slowdown seen on one kind of pass raises every price alike, so the
-    comparison is between prices of one moment. A change in one kind's *relative* cost still
-    reaches its own curve: the factor only takes the part common to what is measured. While one
-    kind is measured alone, the split of its change between the factor and its curve goes by the
-    two decays: at 0.5 against the curves' 0.1, the curve keeps ~7 % of it (a 1.5x slowdown on
-    plain steps alone leaves plain ~3.5 % dearer against the drafting parts, not 50 %).
+    Each price is what its own kind of pass last measured; the kinds are measured at different
+    moments (at 1 stream on the CPU app the plain step ~140 times a second, the drafting parts only
+    when it drafts), so a slowdown seen by one kind reaches the other only when it is measured.
     """
 
     def __init__(self, config: StepCostsConfig | None = None) -> None:
         c = config or StepCostsConfig()
         self.config = c
-        # current machine time / the time the curves are stored at; 1 until a count is re-measured
-        self._speed = _Ema(1.0, c.speed_decay) if c.speed_decay > 0 else None
-        draft_knee = c.draft_knee_tokens or c.knee_tokens
-        self.target = CostCurve(c.target_step_s, c.knee_tokens, c.decay)
-        self.draft = CostCurve(c.target_step_s * c.draft_ratio, draft_knee, c.decay)
-        self._exchange = _Ema(c.exchange_s, c.decay)
+        decay = MEASUREMENT_DECAY
+        # the draft's prior has the target's shape (same knee), scaled by draft_ratio
+        self.target = CostCurve(c.target_step_s, c.knee_tokens, decay)
+        self.draft = CostCurve(c.target_step_s * c.draft_ratio, c.knee_tokens, decay)
+        self._exchange = _Ema(c.exchange_s, decay)
         # host time outside the forwards, measured apart for plain and speculative steps: a drafting
         # step verifies, rolls back and books more tokens, and one average of both, fed mostly by
         # whichever kind the traffic ran lately, prices the other kind wrong
-        self._overhead = {False: _Ema(c.overhead_s, c.decay), True: _Ema(c.overhead_s, c.decay)}
-        per_token = c.draft_prefill_per_token_s
-        if per_token is None:
-            per_token = c.target_step_s * c.draft_ratio / draft_knee
-        self._prefill_per_token = _Ema(per_token, c.decay)
+        self._overhead = {False: _Ema(c.overhead_s, decay), True: _Ema(c.overhead_s, decay)}
+        # the draft's prefill rate before it is measured: its prior curve's slope past the knee
+        self._prefill_per_token = _Ema(c.target_step_s * c.draft_ratio / c.knee_tokens, decay)
 
     # -- queries ---------------------------------------------------------------------------------
-    @property
-    def speed(self) -> float:
-        """How much slower the machine runs now than the times the curves are stored at."""
-        return self._speed.value if self._speed is not None and self._speed.count else 1.0
-
     def t_pass(self, tokens: int) -> float:
         """One target forward over `tokens` tokens (a mixed batch of decodes and verifies)."""
-        return self.target(max(tokens, 1)) * self.speed
+        return self.target(max(tokens, 1))
 
     def t_decode(self, b: int) -> float:
         return self.t_pass(max(b, 1))
@@ -261,18 +229,18 @@ class StepCosts:
         return self.t_pass(max(b, 1) * (max(k, 0) + 1))
 
     def t_draft(self, b: int) -> float:
-        return self.draft(max(b, 1)) * self.speed
+        return self.draft(max(b, 1))
 
     @property
     def t_exchange(self) -> float:
-        return self._exchange.value * self.speed
+        return self._exchange.value
 
     def target_points(self) -> list[tuple[int, float, bool]]:
-        """The target curve at the current machine speed, for logs and policy_state."""
-        return self.target.points(self.speed)
+        """The target curve, for logs and policy_state."""
+        return self.target.points()
 
     def draft_points(self) -> list[tuple[int, float, bool]]:
-        return self.draft.points(self.speed)
+        return self.draft.points()
 
     def t_emit(self, b: int) -> float:
         """Host time that streaming one chunk per sequence of a b-sequence step adds to it (configured)."""
@@ -288,21 +256,15 @@ class StepCosts:
         sequence drafts: a fixed cost per step, so it favours steps that emit more tokens. Until
         one kind has been measured it is priced as the other (a measurement beats the prior)."""
         own, other = self._overhead[speculative], self._overhead[not speculative]
-        return (own.value if own.count or not other.count else other.value) * self.speed
+        return own.value if own.count or not other.count else other.value
 
     def t_draft_prefill(self, prompt_tokens: int) -> float:
-        return max(prompt_tokens, 0) * self._prefill_per_token.value * self.speed
+        return max(prompt_tokens, 0) * self._prefill_per_token.value
 
     # -- live measurements -----------------------------------------------------------------------
     def _observe_pass(self, curve: CostCurve, tokens: float, seconds: float) -> None:
-        """A forward pass: first update the machine speed from it (when its token count was
-        measured before), then store it at the reference speed."""
-        if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
-            return
-        stored = curve.measured_at(tokens)
-        if self._speed is not None and stored is not None and stored > 0:
-            self._speed.observe(seconds / stored)
-        curve.observe(tokens, seconds / self.speed)
+        """A forward pass (CostCurve.observe ignores empty and non-finite ones)."""
+        curve.observe(tokens, seconds)
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         """Any target forward (a mixed batch of decodes and verifies counts its total tokens)."""
@@ -319,12 +281,12 @@ class StepCosts:
 
     def observe_exchange(self, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds):
-            self._exchange.observe(seconds / self.speed)
+            self._exchange.observe(seconds)
 
     def observe_overhead(self, seconds: float, speculative: bool) -> None:
         """One engine step's host time outside the forwards; `speculative`: some sequence drafted."""
         if seconds >= 0 and math.isfinite(seconds):
-            self._overhead[speculative].observe(seconds / self.speed)
+            self._overhead[speculative].observe(seconds)
 
     def observe_draft_call(self, batch: int, depth: int, compute_s: float, first: FirstPass) -> float | None:
         """One draft call: `depth` batched steps for `batch` sequences in `compute_s`. When its
@@ -348,7 +310,7 @@ class StepCosts:
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
-            self._prefill_per_token.observe(seconds / tokens / self.speed)
+            self._prefill_per_token.observe(seconds / tokens)
 
 
 def speedup(
@@ -356,7 +318,6 @@ def speedup(
     k: int,
     b: int,
     costs: StepCosts,
-    overlap: bool = False,
     *,
     per_position: Sequence[float] | None = None,
     prompt_tokens: int = 0,
@@ -366,10 +327,8 @@ def speedup(
     """Goodput of speculating with depth k over plain decoding, for one sequence in a batch of b.
 
     plain: max(t_decode(b) + t_overhead(plain) + t_emit(b), t_emit_beside(b)) per token. speculative:
-    max(k·t_draft + t_verify(b, k) + t_exchange + t_overhead(spec) + t_emit(b), t_emit_beside(b)) / E(k) per token, plus the draft's prefill t_p(P) amortised over the L output tokens. With overlap the
-    draft drafts block t+1 while the target verifies block t, so only the part of draft+exchange
-    that outlasts the verify is paid. (That is optimistic when acceptance is low, since a rejected
-    block's pre-drafted successor is thrown away; the live step times correct for it.)
+    max(k·t_draft + t_verify(b, k) + t_exchange + t_overhead(spec) + t_emit(b), t_emit_beside(b)) / E(k) per token, plus the draft's prefill t_p(P) amortised over the L output tokens. The
+    served engine drafts, exchanges and verifies one after another, so every part is paid.
     `draft_batch`: sequences in the draft's batch when it serves several targets (default b).
     """
     if k <= 0:
@@ -378,8 +337,7 @@ def speedup(
     plain = max(costs.t_decode(b) + costs.t_overhead(False) + costs.t_emit(b), beside)
     verify = costs.t_verify(b, k)
     side = k * costs.t_draft(draft_batch if draft_batch is not None else b) + costs.t_exchange
-    step = max(verify + (max(0.0, side - verify) if overlap else side) + costs.t_overhead(True) + costs.t_emit(b),
-               beside)
+    step = max(verify + side + costs.t_overhead(True) + costs.t_emit(b), beside)
     per_token = step / expected_tokens_per_step(alpha, k, per_position)
     if prompt_tokens > 0 and output_tokens:
         per_token += costs.t_draft_prefill(prompt_tokens) / output_tokens
@@ -403,7 +361,6 @@ def best_k(
     max_k: int,
     *,
     margin: float = 1.0,
-    overlap: bool = False,
     per_position: Sequence[float] | None = None,
     prompt_tokens: int = 0,
     output_tokens: int | None = None,
@@ -417,7 +374,7 @@ def best_k(
     if max_k <= 0:
         return 0, 1.0
     k, s = best_spec_k(
-        alpha, b, costs, max_k, overlap=overlap, per_position=per_position,
+        alpha, b, costs, max_k, per_position=per_position,
         prompt_tokens=prompt_tokens, output_tokens=output_tokens, draft_batch=draft_batch,
     )
     return (k, s) if s > margin else (0, 1.0)

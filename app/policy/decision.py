@@ -19,7 +19,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost_model import StepCosts, StepCostsConfig, best_k, best_spec_k, speedup
-from .calibration import StepTimeCalibration
 from .mode_arbiter_config import ModeArbiterConfig
 from .step_plan import StepCandidate, StepPlan, plan_step, plan_step_optimistic
 from .trackers import AcceptanceTracker, LengthPredictor
@@ -38,6 +37,19 @@ Reason = Literal[
 
 # Off decisions the step planner may still turn on (or explore) as load and acceptance move.
 _ADAPTIVE_OFF: frozenset[str] = frozenset({"high_load", "low_acceptance", "prefill_cost"})
+
+# Settings no deployment tunes (constants, not PolicyConfig fields):
+# below how many expected output tokens a request never drafts ('short_output'): so short a
+# request is not worth the draft's prompt prefill and the router's cost-model search
+MIN_OUTPUT_TOKENS = 16
+# drafted tokens of a prompt class over which its acceptance estimate halves its memory: how fast
+# the class's acceptance follows a change in its traffic
+ACCEPTANCE_HALF_LIFE_TOKENS = 512.0
+# the completion-length predictor (trackers.LengthPredictor): finished requests remembered per
+# class, the quantile of them that caps max_tokens, and how many it needs before it caps at all
+LENGTH_WINDOW = 256
+LENGTH_QUANTILE = 0.9
+LENGTH_MIN_SAMPLES = 8
 
 
 class _Strict(BaseModel):
@@ -116,7 +128,6 @@ class PolicyConfig(_Strict):
         1.15, ge=1.0, description="predicted speedup needed to speculate. At 2 streams on CPU, where 'off' beats "
         "'on' by ~5 %, auto drafts 30-56 % of steps at a margin of 1.05 and loses 3-4 % to 'off'; at 1.15 it drafts "
         "1-12 % and matches 'off'")
-    min_output_tokens: int = Field(16, ge=1)
     explore_every_steps: int = Field(
         64, ge=0, description="engine steps without an adaptive draft before one exploration step; 0: never")
     explore_max_every_steps: int | None = Field(
@@ -135,7 +146,6 @@ class PolicyConfig(_Strict):
                     "step at 1 stream; 0: plan every step")
     max_k: int = Field(8, ge=1, le=64)
     default_k: int = Field(4, ge=1, description="k for speculation 'on' without num_speculative_tokens")
-    overlap: bool = Field(False, description="draft runs on its own device, overlapped with verify")
     stale_after_s: float = Field(10.0, gt=0)
     prior_alpha: float = Field(0.6, ge=0.0, le=1.0)
     sequence_prior_weight: float = Field(
@@ -153,23 +163,11 @@ class PolicyConfig(_Strict):
                     "optimism stays plain (step_plan.plan_step_optimistic): measured on the CPU app, optimism "
                     "deciding alone makes auto draft at 1 stream and lose 4 % to 'off', none at all makes it draft "
                     "shallower at 8-32 streams and lose 3-5 % to 'on'")
-    acceptance_half_life_tokens: float = Field(512.0, gt=0)
-    length_window: int = Field(256, ge=1)
-    length_quantile: float = Field(0.9, gt=0.0, lt=1.0)
-    length_min_samples: int = Field(8, ge=1)
     costs: StepCostsConfig = Field(default_factory=StepCostsConfig, description="priors and host costs of the cost model")
     mode_arbiter: ModeArbiterConfig = Field(
         default_factory=ModeArbiterConfig,
         description="per batch size, run adaptive sequences in the step mode (planner, all 'on' at default_k, all "
                     "'off') whose goodput the engine measured best, re-probing the others (app/policy/mode_arbiter.py)")
-    # off by default: in the CPU concurrency sweeps (bench.load) the calibrated planner comes no closer
-    # to the better fixed policy than the uncalibrated one
-    calibration_half_life_steps: float = Field(
-        0.0, ge=0,
-        description="engine steps over which the realized/predicted step time per (batch, depth) is averaged "
-                    "(app/policy/calibration.py), e.g. 64; 0 (default): plan on the cost model's parts alone")
-    calibration_probe_every: int = Field(
-        8, ge=0, description="one speculative step in this many runs a depth next to the planned one, to measure it; 0: never")
 
     @model_validator(mode="after")
     def _exploration_interval(self) -> "PolicyConfig":
@@ -196,20 +194,16 @@ class SpeculationPolicy:
         self.config = c
         self.costs = costs or StepCosts(c.costs)
         self.acceptance = acceptance or AcceptanceTracker(
-            prior_alpha=c.prior_alpha, half_life_tokens=c.acceptance_half_life_tokens, max_positions=c.max_k
+            prior_alpha=c.prior_alpha, half_life_tokens=ACCEPTANCE_HALF_LIFE_TOKENS, max_positions=c.max_k
         )
         self.lengths = lengths or LengthPredictor(
-            window=c.length_window, quantile=c.length_quantile, min_samples=c.length_min_samples
+            window=LENGTH_WINDOW, quantile=LENGTH_QUANTILE, min_samples=LENGTH_MIN_SAMPLES
         )
-        self.calibration = (StepTimeCalibration(c.calibration_half_life_steps, probe_every=c.calibration_probe_every)
-                            if c.calibration_half_life_steps > 0 else None)
         self._seen: dict[tuple[str, str], int] = {}  # (replica, kind) -> last publication ingested
         self._lock = threading.Lock()
 
     # fields each learned part is built from: a change rebuilds that part (its measurements start over)
-    _ACCEPTANCE_FIELDS = ("prior_alpha", "acceptance_half_life_tokens", "max_k")
-    _LENGTH_FIELDS = ("length_window", "length_quantile", "length_min_samples")
-    _CALIBRATION_FIELDS = ("calibration_half_life_steps", "calibration_probe_every")
+    _ACCEPTANCE_FIELDS = ("prior_alpha", "max_k")
     _LIVE_COST_FIELDS = ("chunk_s", "chunk_beside_s")  # read by StepCosts on every query
 
     def reconfigure(self, config: PolicyConfig) -> list[str]:
@@ -234,16 +228,8 @@ class SpeculationPolicy:
                 rebuilt.append("costs")
         if changed(self._ACCEPTANCE_FIELDS):
             self.acceptance = AcceptanceTracker(self.acceptance.pair, prior_alpha=c.prior_alpha,
-                                                half_life_tokens=c.acceptance_half_life_tokens, max_positions=c.max_k)
+                                                half_life_tokens=ACCEPTANCE_HALF_LIFE_TOKENS, max_positions=c.max_k)
             rebuilt.append("acceptance")
-        if changed(self._LENGTH_FIELDS):
-            self.lengths = LengthPredictor(window=c.length_window, quantile=c.length_quantile,
-                                           min_samples=c.length_min_samples)
-            rebuilt.append("lengths")
-        if changed(self._CALIBRATION_FIELDS):
-            self.calibration = (StepTimeCalibration(c.calibration_half_life_steps, probe_every=c.calibration_probe_every)
-                                if c.calibration_half_life_steps > 0 else None)
-            rebuilt.append("calibration")
         self.config = c
         return rebuilt
 
@@ -285,7 +271,7 @@ class SpeculationPolicy:
             # 'on' without a k (or with k=0, which cannot mean "speculate") uses default_k.
             k = min(request.requested_k or c.default_k, c.max_k)
             alpha = self.acceptance.alpha(request.prompt_class)
-            s = speedup(alpha, k, b, self.costs, c.overlap, draft_batch=self._draft_batch(load, b))
+            s = speedup(alpha, k, b, self.costs, draft_batch=self._draft_batch(load, b))
             return SpeculationDecision(speculate=True, k=k, reason="forced_on", expected_speedup=s, alpha=alpha, batch_size=b)
 
         if load.age_s > c.stale_after_s:
@@ -298,12 +284,12 @@ class SpeculationPolicy:
         L = self.lengths.expected_length(request.prompt_class, request.max_tokens) if request.has_stop else request.max_tokens
         alpha = self.acceptance.alpha(request.prompt_class)
         common = dict(alpha=alpha, expected_output_tokens=L, batch_size=b)
-        if L < c.min_output_tokens:
+        if L < MIN_OUTPUT_TOKENS:
             return SpeculationDecision(speculate=False, k=0, reason="short_output", **common)
 
         max_k = min(c.max_k, L - 1)  # drafting past the end of the output is pure waste
         pos = self.acceptance.per_position(request.prompt_class, max_k)
-        kw = dict(overlap=c.overlap, per_position=pos)
+        kw = dict(per_position=pos)
         k, s = best_k(alpha, b, self.costs, max_k, margin=c.margin, prompt_tokens=request.prompt_tokens,
                       output_tokens=L, draft_batch=self._draft_batch(load, b), **kw)
         if k > 0:
@@ -331,18 +317,7 @@ class SpeculationPolicy:
     # -- per step, in the engine ---------------------------------------------------------------
     def plan_step(self, candidates: list[StepCandidate], explore_k: int | None = None) -> StepPlan:
         """The batch's plan for one engine step (app/policy/step_plan.py) on this policy's costs."""
-        cal = self.calibration
-        max_cap = max((c.cap for c in candidates), default=0)
-        factors = cal.factors(len(candidates), max_cap) if cal is not None else None
-        plan = plan_step_optimistic(candidates, self.costs, margin=self.config.margin, explore_k=explore_k,
-                                    overlap=self.config.overlap, time_factors=factors)
-        probe = cal.probe_depth(plan.depth, max_cap) if cal is not None and not plan.explored else None
-        if probe is not None:  # measure another depth this step (calibration.py)
-            probed = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap,
-                               time_factors=factors, only_depth=probe)
-            if probed.depth == probe:
-                return probed
-        return plan
+        return plan_step_optimistic(candidates, self.costs, margin=self.config.margin, explore_k=explore_k)
 
     def depth_report(self, candidates: list[StepCandidate]) -> str:
         """One log line: the batch, its acceptance estimates and the predicted goodput (tokens/s) of
@@ -352,18 +327,10 @@ class SpeculationPolicy:
         alphas = sorted(c.alpha for c in candidates)
         parts = [f"b={len(candidates)} alpha min/median/max {alphas[0]:.2f}/{alphas[len(alphas) // 2]:.2f}/{alphas[-1]:.2f}"]
         max_cap = max(c.cap for c in candidates)
-        plain = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap, only_depth=0).plain_goodput
+        plain = plan_step(candidates, self.costs, margin=1.0, only_depth=0).plain_goodput
         parts.append(f"host ms plain/drafting {1e3 * self.costs.t_overhead(False):.2f}/{1e3 * self.costs.t_overhead(True):.2f}")
-        parts.append(f"machine speed {self.costs.speed:.3f}")
         parts.append(f"plain {plain:.0f}")
         for k in range(1, max_cap + 1):
-            p = plan_step(candidates, self.costs, margin=1.0, overlap=self.config.overlap, only_depth=k)
+            p = plan_step(candidates, self.costs, margin=1.0, only_depth=k)
             parts.append(f"k{k} {p.goodput:.0f} ({sum(1 for x in p.ks if x)} drafting, {1e3 * p.step_s:.0f} ms)")
         return ", ".join(parts)
-
-    def observe_step(self, plan: StepPlan, batch: int, realized_s: float) -> None:
-        """A planned step's wall time (its forwards, the draft call and host work; not newcomers'
-        prefill): calibrates the planner's predicted time for plans of that depth and batch size.
-        The catch-up prefill the plan predicted is taken out first: it is charged separately."""
-        if self.calibration is not None and plan.step_s > 0:
-            self.calibration.observe(batch, plan.depth, plan.step_s, max(realized_s - plan.catch_up_s, 0.1 * realized_s))

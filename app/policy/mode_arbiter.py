@@ -114,10 +114,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from .calibration import batch_bucket  # the same buckets as the planner's step-time calibration
 from .mode_arbiter_config import ModeArbiterConfig
 from .mode_evidence import LoadBucket, MeasuredWindow, ModeProbe, ModeStats
-from .step_mode import HISTORY_DEPENDENT, MODES, StepMode, forced_mode, mode_ks
+from .step_mode import HISTORY_DEPENDENT, MODES, StepMode, batch_bucket, forced_mode, mode_ks
 
 __all__ = ["HISTORY_DEPENDENT", "MODES", "ModeArbiter", "ModeArbiterConfig", "StepMode", "forced_mode", "mode_ks"]
 

@@ -11,6 +11,13 @@ MODES: tuple[StepMode, ...] = ("plan", "on", "off")
 HISTORY_DEPENDENT: frozenset[StepMode] = frozenset({"plan"})  # measured only on batches that ran in it alone
 
 
+def batch_bucket(batch_size: int) -> int:
+    """The load bucket the mode arbiter judges a step in: 1, 2, then the next power of two (3-4 -> 4,
+    9-16 -> 16): a closed-loop batch wavers by a sequence or two (c or c - 1 streams), and each
+    bucket needs enough steps to learn."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
 def forced_mode(requested_ks: list[int], adaptive: list[bool], default_k: int) -> StepMode | None:
     """The mode a batch with no adaptive sequence measures: 'off' when every sequence asked for
     no drafts, 'on' when every one asked for `default_k` (forced 'on'), else None (a mix)."""

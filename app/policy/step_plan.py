@@ -34,11 +34,8 @@ the highest α (E grows with α and the cost does not depend on which), so the s
 (m, k): O(b · max_k) cost-curve lookups. (With catch-ups the best m are not always the m highest
 α; ties go to the one with less to catch up, and the rest is left to the next step's plan.)
 
-The parts can each be measured right and still sum to the wrong step time at some depths (host
-contention on a shared CPU, the draft's first pass): `time_factors` scale a plan's predicted
-engine time (the forwards, the draft call, the engine's host time) by the realized / predicted
-ratio the engine measured for plans of its depth (calibration.py). The chunks' host time is
-added after: it is spent outside the engine step (router, proxy), so a step's wall time cannot
+The chunks' host time is added to the engine time (the forwards, the draft call, the engine's
+host time): it is spent outside the engine step (router, proxy), so a step's wall time cannot
 measure it.
 
 Exploration lives here too, at step granularity: when no adaptive sequence has drafted for
@@ -50,7 +47,6 @@ paying the draft call for their whole life.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .cost_model import StepCosts, expected_tokens_per_step
@@ -79,7 +75,7 @@ class StepPlan:
     plain_goodput: float  # ... with every adaptive sequence decoding plainly
     explored: bool = False
     depth: int = 0  # the deepest k of the plan (0: a plain step)
-    step_s: float = 0.0  # the plan's engine step time from the model's parts, uncalibrated (no chunk or catch-up time)
+    step_s: float = 0.0  # the plan's engine step time from the model's parts (no chunk or catch-up time)
     catch_up_s: float = 0.0  # predicted catch-up prefill of the sequences that draft this step, in full
 
 
@@ -87,8 +83,8 @@ class _StepPrices:
     """The step-time model's lookups for one plan, each cost-curve lookup made once: a search over
     (m, k) asks for the same pass sizes and draft batches many times (at b = 16, ~130 plans)."""
 
-    def __init__(self, costs: StepCosts, overlap: bool) -> None:
-        self.costs, self.overlap = costs, overlap
+    def __init__(self, costs: StepCosts) -> None:
+        self.costs = costs
         self.host = (costs.t_overhead(False), costs.t_overhead(True))  # plain, drafting
         self.exchange = costs.t_exchange
         self._target: dict[int, float] = {}
@@ -103,8 +99,8 @@ class _StepPrices:
         draft = self._draft.get(num_spec)
         if draft is None:
             draft = self._draft[num_spec] = self.costs.t_draft(num_spec)
-        side = depth * draft + self.exchange
-        return verify + (max(0.0, side - verify) if self.overlap else side) + self.host[1]
+        # the served engine drafts, exchanges and verifies one after another: every part is paid
+        return verify + depth * draft + self.exchange + self.host[1]
 
 
 def _e_table(alpha: float, cap: int) -> list[float]:
@@ -124,8 +120,6 @@ def plan_step(
     *,
     margin: float = 1.0,
     explore_k: int | None = None,
-    overlap: bool = False,
-    time_factors: Sequence[float] | None = None,
     only_depth: int | None = None,
     padded: bool = True,
     optimistic: bool = False,
@@ -136,10 +130,8 @@ def plan_step(
     `margin`: the adaptive sequences speculate only when that beats the plain plan by this
     factor (model error absorbs small predicted gains). `explore_k`: if the best plan leaves
     every adaptive sequence plain, speculate them all at this depth anyway (an exploration step).
-    `time_factors[d]`: realized / predicted step time measured for plans of depth d (0: plain) at
-    this batch size (calibration.py); the model's step time of such a plan is scaled by it.
     `only_depth`: search the adaptive sequences' plans at this common depth only (plain included),
-    for a calibration probe of a depth next to the usual one.
+    for the depth report (SpeculationPolicy.depth_report).
     `padded`: the target pads every row of a pass to the longest (model_runner, kv_cache.pack), so a
     pass of depth d costs b·(d + 1) tokens whichever rows draft; False: a ragged pass, Σ (k_s + 1).
     `optimistic`: read each candidate's `alpha_upper` where it has one (plan_step_optimistic).
@@ -159,14 +151,11 @@ def plan_step(
     f_pass = sum(ks[i] + 1 for i in forced)
     f_depth = max((ks[i] for i in forced), default=0)
     n_rest = b - len(forced)  # plain unless chosen below
-    # host time of any step: the engine's own (in prices.time: inside the step's wall time, so calibrated
-    # with it) and the streamed chunks' (the router's and proxy's work, outside it: never calibrated)
+    # host time of any step: the engine's own (in prices.time: inside the step's wall time) and the
+    # streamed chunks' (the router's and proxy's work, outside it)
     emit, beside = costs.t_emit(b), costs.t_emit_beside(b)
-    prices = _StepPrices(costs, overlap)
+    prices = _StepPrices(costs)
     times: dict[tuple[int, int, int], float] = {}  # the engine time of (pass tokens, drafting, depth)
-
-    def factor(depth: int) -> float:
-        return time_factors[depth] if time_factors is not None and depth < len(time_factors) else 1.0
 
     def pass_tokens(ragged: int, depth: int) -> int:
         return b * (depth + 1) if padded else ragged
@@ -177,7 +166,7 @@ def plan_step(
         key = (pass_tokens(f_pass + prefix_pass + (n_rest - m), d), num_spec, d)
         t = times.get(key)
         if t is None:  # padded passes repeat: one curve lookup per (tokens, drafting, depth)
-            t = times[key] = prices.time(*key) * factor(d if num_spec else 0)
+            t = times[key] = prices.time(*key)
         t = max(t + emit + f_catch + catch, beside)  # the router's and proxy's share runs beside the step
         return tokens / t if t > 0 else 0.0
 
