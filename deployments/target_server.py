@@ -8,7 +8,6 @@ request router picks for this target replica); an n-gram proposer runs in-proces
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -189,11 +188,6 @@ class TargetServer:
             # the host's steal read per step: a probe across which the hypervisor's share moved is no evidence
             self.arbiter = (ModeArbiter(c.mode_arbiter, steal_meter=StealMeter().since_last)
                             if c.mode_arbiter.enabled else None)
-        if old is None or old.mode_arbiter.step_trace_path != c.mode_arbiter.step_trace_path:
-            if old is not None and self._trace is not None:
-                self._trace.close()
-            trace = c.mode_arbiter.step_trace_path
-            self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 — line-buffered: the replica may be killed
 
     def reconfigure(self, user_config: dict | None) -> None:
         """Serve's user_config (UserConfig), at start and on every `serve deploy` that changes it: the
@@ -259,16 +253,6 @@ class TargetServer:
         self._planned = (plan, candidates)  # its realized time is fed back in _on_step
         return plan.ks
 
-    def _trace_step(self, times, updates, seconds: float, now: float) -> None:
-        """One JSON line per engine step (policy.mode_arbiter.step_trace_path, a diagnostic)."""
-        mode, chosen, ids = self._step_mode if self._step_mode is not None else (None, False, ())
-        self._trace.write(json.dumps({
-            "t": round(now, 6), "s": round(seconds, 6), "prefill": round(times.prefill, 6),
-            "gap": round(self.step_wall.last_gap, 6) if self.step_wall.last_gap is not None else None,
-            "bs": times.batch_size, "tok": sum(len(u.token_ids) for u in updates[:times.batch_size]),
-            "new_tok": sum(len(u.token_ids) for u in updates[times.batch_size:]),
-            "drafted": sum(u.drafted for u in updates), "mode": mode, "chosen": chosen, "ids": list(ids)}) + "\n")
-
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         with self._step_lock:
             self._observe_step(engine, updates, seconds)
@@ -300,8 +284,6 @@ class TargetServer:
             self._mode_steps += 1
             if self._mode_steps % 2000 == 0:
                 log.info("step modes by load bucket %s", self.arbiter.snapshot())
-        if self._trace is not None:
-            self._trace_step(times, updates, seconds, now)
         self._step_mode = None
         if self._planned is not None:
             plan, candidates = self._planned
@@ -481,6 +463,3 @@ class TargetServer:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
-        trace = getattr(self, "_trace", None)
-        if trace is not None:
-            trace.close()

@@ -36,7 +36,7 @@ its goodput over the mean of those two windows, so a host whose speed drifts (th
 host's moves ~1.7x within one sweep) shifts both sides alike. A mode's evidence is the
 time-decayed mean of its probes' ratios with its standard error; one probe spreads ~20 % at one
 stream, so the lead moves only when mean - `switch_z` s.e. > `switch_ratio`, and a share is cut
-only when mean + `far_z` s.e. < `far_ratio`. A mode's first `warm_pairings` probes in a bucket come
+only when mean + `FAR_Z` s.e. < `far_ratio`. A mode's first `warm_pairings` probes in a bucket come
 at `warm_share` and it cannot take the lead before them: at 2 streams 0.25-s windows spread ~30 %,
 and single probes at ratios of 1.17 and 1.47 would move the lead (three moves in a level's first
 minutes, auto at 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead moves on three
@@ -114,7 +114,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from .mode_arbiter_config import ModeArbiterConfig
+from .mode_arbiter_config import CONTENDER_Z, EVIDENCE_HALF_LIFE_S, FAR_Z, PROBE_CV, ModeArbiterConfig
 from .mode_evidence import LoadBucket, MeasuredWindow, ModeProbe, ModeStats
 from .step_mode import HISTORY_DEPENDENT, MODES, StepMode, batch_bucket, forced_mode, mode_ks
 
@@ -188,7 +188,7 @@ class ModeArbiter:
         ~78 and cost it ~3 %; two such pairings already put the mode surely under far_ratio."""
         c = self.config
         return (s.pairings >= c.warm_loser_pairings and s.ratio is not None
-                and s.ratio + c.far_z * s.std_error(c.probe_cv) < c.far_ratio)
+                and s.ratio + FAR_Z * s.std_error(PROBE_CV) < c.far_ratio)
 
     def _inherit_clear_losers(self, near: LoadBucket, b: LoadBucket, now: float) -> None:
         """A mode the nearest load found surely worse than its leader (b's leader too) by its own pairings
@@ -235,7 +235,7 @@ class ModeArbiter:
         if s.ratio is not None and s.ratio > 1.0:
             return c.warm_share
         if m != "plan" and s.ratio is not None \
-                and s.ratio + c.contender_z * s.std_error(c.probe_cv) > 1.0:
+                and s.ratio + CONTENDER_Z * s.std_error(PROBE_CV) > 1.0:
             # ... and a fixed mode that may still beat it: racing a close mode costs little (its ratio is
             # near 1), leaving it at the base share costs the whole gap when it is the better one. At 4
             # streams 'on' (9 % faster in the forced cells) can pair at 0.99, 0.98 and 0.97 of the inherited
@@ -283,8 +283,6 @@ class ModeArbiter:
         now = self._clock()
         self._step_load = self._load(batch_size, now)
         b = self._bucket(self._step_load, now)
-        if self.config.pinned_mode is not None:
-            return self.config.pinned_mode
         p = b.probe
         if p is not None and p.running:
             # as many *measured* steps and seconds as the leader's windows (settling steps, and 'plan'
@@ -352,7 +350,7 @@ class ModeArbiter:
         self._last_end = now
 
     def _decay_evidence(self, s: ModeStats, now: float) -> None:
-        f = 0.5 ** (max(now - s.evidence_t, 0.0) / self.config.evidence_half_life_s)
+        f = 0.5 ** (max(now - s.evidence_t, 0.0) / EVIDENCE_HALF_LIFE_S)
         s.n, s.r_sum, s.r_sq_sum, s.n_sq, s.evidence_t = s.n * f, s.r_sum * f, s.r_sq_sum * f, s.n_sq * f * f, now
 
     def _pair(self, b: LoadBucket, mode: StepMode, during: MeasuredWindow, leader_goodput: float, now: float) -> None:
@@ -365,10 +363,10 @@ class ModeArbiter:
         r = during.goodput / leader_goodput
         s.n, s.n_sq, s.r_sum, s.r_sq_sum = s.n + 1.0, s.n_sq + 1.0, s.r_sum + r, s.r_sq_sum + r * r
         s.waited_s, s.pairings = 0.0, s.pairings + 1
-        se = s.std_error(c.probe_cv)
+        se = s.std_error(PROBE_CV)
         # one probe is noisy (a 0.25-s probe at one stream spread ~20 %): a share is cut, and the lead
         # moves, only on the mean of the probes and its standard error
-        s.share = max(s.share / 2, c.min_share) if s.ratio + c.far_z * se < c.far_ratio else c.base_share
+        s.share = max(s.share / 2, c.min_share) if s.ratio + FAR_Z * se < c.far_ratio else c.base_share
         z = c.plan_switch_z if mode == "plan" else c.switch_z
         if s.pairings >= c.warm_pairings and s.ratio - z * se > c.switch_ratio:
             self._switch(b, mode, now)
@@ -378,7 +376,7 @@ class ModeArbiter:
         old, n = b.stats[b.leader], b.stats[new]
         for s in b.stats.values():
             self._decay_evidence(s, now)
-        r, var = n.ratio, n.variance(self.config.probe_cv)
+        r, var = n.ratio, n.variance(PROBE_CV)
         for m in MODES:
             if m not in (b.leader, new):
                 x = b.stats[m]

@@ -7,17 +7,26 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .step_mode import StepMode
 
+# Settings no deployment tunes (constants, not ModeArbiterConfig fields):
+# standard errors by which a mode's mean ratio (+ FAR_Z s.e.) must be under far_ratio to count as a
+# clear loser whose probe share halves: one s.e., so a mode is not starved on one bad probe
+FAR_Z = 1.0
+# a fixed mode whose mean ratio + CONTENDER_Z standard errors is above the leader's is a contender,
+# raced at warm_share (ModeArbiter._share)
+CONTENDER_Z = 0.5
+# prior spread of one probe's ratio (its coefficient of variation), one pseudo-probe that the
+# probes' own spread is shrunk towards (ModeStats.variance): ~0.2 for 0.25-s probes at one stream
+# on the CPU app
+PROBE_CV = 0.2
+# wall seconds over which a mode's paired ratio to the leader is averaged: how fast evidence from
+# an older host state (speed, traffic) fades
+EVIDENCE_HALF_LIFE_S = 120.0
+
 
 class ModeArbiterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="choose the step mode by measured goodput; False: the planner always")
-    pinned_mode: StepMode | None = Field(None, description="a diagnostic A/B: every adaptive batch runs in this mode, "
-                                                           "no probes (auto's request path with one step choice, "
-                                                           "against the forced policy of that mode)")
-    step_trace_path: str | None = Field(None, description="a diagnostic: the target server appends every engine "
-                                                           "step (times, tokens, mode, sequence ids) to this file "
-                                                           "as a JSON line")
     probe_min_steps: int = Field(8, ge=1, description="a probe of a non-leading mode runs at least this many steps "
                                                       "(4-step windows at 32 streams differ up to 2x)")
     probe_min_s: float = Field(1.0, ge=0.0, description="... and at least this many seconds; the leader is measured "
@@ -45,7 +54,7 @@ class ModeArbiterConfig(BaseModel):
                                                                 "in modes 6-13 % worse)")
     min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
     far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a mode surely under this share of the leader "
-                                                               "(mean ratio + far_z standard errors) halves its share")
+                                                               "(mean ratio + FAR_Z standard errors) halves its share")
     switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only when surely above this share of "
                                                           "the leader (mean ratio - switch_z standard errors)")
     switch_z: float = Field(0.5, ge=0.0, description="standard errors of the mean ratio a new leader must clear")
@@ -53,17 +62,10 @@ class ModeArbiterConfig(BaseModel):
                                                           "(the fixed modes are the choices auto is judged against)")
     first_leader: StepMode = Field("off", description="the leader of the first load bucket, before any "
                                                       "measurement (later buckets start with the nearest one's)")
-    far_z: float = Field(1.0, ge=0.0, description="standard errors by which a mode must be under far_ratio")
-    contender_z: float = Field(0.5, ge=0.0, description="a fixed mode whose mean ratio + this many standard errors "
-                                                        "is above the leader's is raced at warm_share (see _share)")
-    probe_cv: float = Field(0.2, gt=0.0, description="prior spread of one probe's ratio (its coefficient of "
-                                                     "variation; ~0.2 for 0.25-s probes at one stream)")
     half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
                                                               "for display (snapshot); decisions use paired ratios")
     stale_after_s: float = Field(5.0, gt=0.0, description="a leader unmeasured this long has no current figure: "
                                                           "it is measured afresh before any probe")
-    evidence_half_life_s: float = Field(120.0, gt=0.0, description="wall seconds over which a mode's paired ratio to "
-                                                                   "the leader is averaged")
     max_steal_gap: float = Field(0.03, gt=0.0, le=1.0, description="a pairing whose probe ran at a host CPU steal "
                                                                    "share this far from the leader's windows around "
                                                                    "it is dropped (needs a steal meter)")

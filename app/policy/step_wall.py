@@ -16,7 +16,7 @@ time and tokens carried to the next observed step: what the benchmark's cells co
 longer than `max(idle_s, the step's own time)`, is nobody's: the engine sat empty (a client's think
 time, a benchmark's pause between cells), which no mode is to blame for.
 
-A step trace (`policy.mode_arbiter.step_trace_path`, 2-core CPU, 1/2/4 streams) checks it against
+A step trace (every engine step's times and tokens, 2-core CPU, 1/2/4 streams) checked it against
 the clients: over every cell this accounting gives the clients' goodput to within 0.2 %, while the
 one above without prefill-only steps and turnarounds reads forced 'off' 5-7 % high at 1 and 2
 streams (the turnaround of a lockstep batch, where every sequence ends on one step, and its prefill
@@ -32,7 +32,6 @@ class StepWall:
     def __init__(self, idle_s: float = 0.1, last_end: float | None = None) -> None:
         self.idle_s = idle_s  # a longer idle gap before a step is a lull, not the step's
         self._last_end = last_end  # when the step before ended (None: no step yet, no gap)
-        self.last_gap: float | None = None  # the idle gap before the latest step (the step trace logs it)
         # tokens and seconds of prefill-only steps (and the turnaround before them) not yet counted
         self._carry_tokens, self._carry_s = 0, 0.0
 
@@ -42,8 +41,7 @@ class StepWall:
         `tokens` (newcomers' first tokens included), with `batch_size` running sequences before its
         newcomers; `observed`: its goodput is measured. Returns the (tokens, wall seconds) it stands
         for when observed, else None."""
-        self.last_gap = now - self._last_end - step_s if self._last_end is not None else None
-        gap = self.last_gap if self.last_gap is not None else 0.0
+        gap = now - self._last_end - step_s if self._last_end is not None else 0.0
         self._last_end = now
         lull = gap > max(self.idle_s, step_s)
         wall = step_s + (gap if gap >= 0.0 and not lull else 0.0)

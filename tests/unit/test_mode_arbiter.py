@@ -446,14 +446,6 @@ def test_a_probe_that_cannot_fill_its_window_is_dropped_and_its_mode_waits() -> 
     assert 2 <= plan_runs <= 60 / (3.0 + 3.0 / 0.5) + 1, plan_runs
 
 
-def test_a_pinned_mode_runs_every_step_and_is_never_probed_away() -> None:
-    """pinned_mode (a diagnostic A/B of auto's request path): the one mode, whatever the others measure."""
-    arb = arbiter(probe_min_steps=2, probe_min_s=0.0, settle_steps=0, pinned_mode="on")
-    chosen = run(arb, 500, {"plan": 100.0, "on": 50.0, "off": 200.0}.__getitem__)
-    assert chosen == Counter({"on": 500})
-    assert arb.snapshot()["b4"]["probes"] == 0
-
-
 def _bursty_host(clock: FakeClock) -> tuple[Callable[[], bool], Callable[[], tuple[int, int]]]:
     """A VM host whose hypervisor steals 20 % of the CPU for 3 s of every 7: (in a burst now?, a steal
     meter giving (stolen, all) ticks per call, 100 ticks a call)."""
