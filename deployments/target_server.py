@@ -179,8 +179,8 @@ class TargetServer:
         def changed(*fields: str) -> bool:
             return old is None or any(getattr(old, f) != getattr(c, f) for f in fields)
 
-        if changed("explore_every_steps", "exploration_k", "explore_max_every_steps"):
-            self.explorer = (StepExplorer(c.explore_every_steps, c.exploration_k, c.explore_max_every_steps)
+        if changed("explore_every_steps", "explore_max_every_steps"):
+            self.explorer = (StepExplorer(c.explore_every_steps, c.explore_max_every_steps)
                              if c.explore_every_steps else None)
         if changed("plain_hold_steps"):
             self.hold = PlainHold(c.plain_hold_steps)

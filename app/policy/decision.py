@@ -42,6 +42,9 @@ _ADAPTIVE_OFF: frozenset[str] = frozenset({"high_load", "low_acceptance", "prefi
 # below how many expected output tokens a request never drafts ('short_output'): so short a
 # request is not worth the draft's prompt prefill and the router's cost-model search
 MIN_OUTPUT_TOKENS = 16
+# seconds after which a replica's published load (it publishes every second) is too old to decide
+# on: the request goes plain ('stale_load'), the safe side
+STALE_AFTER_S = 10.0
 # drafted tokens of a prompt class over which its acceptance estimate halves its memory: how fast
 # the class's acceptance follows a change in its traffic
 ACCEPTANCE_HALF_LIFE_TOKENS = 512.0
@@ -138,7 +141,6 @@ class PolicyConfig(_Strict):
                     "between explorations (step_plan.StepExplorer); None: no back-off. At 1 stream on "
                     "the CPU app, exploring every 64 steps costs auto 4-6 % against 'off', backing off to 512 under "
                     "1 %")
-    exploration_k: int = Field(2, ge=1)
     plain_hold_steps: int = Field(
         8, ge=0,
         description="after a plain plan, the same batch stays plain this many steps without planning "
@@ -146,7 +148,6 @@ class PolicyConfig(_Strict):
                     "step at 1 stream; 0: plan every step")
     max_k: int = Field(8, ge=1, le=64)
     default_k: int = Field(4, ge=1, description="k for speculation 'on' without num_speculative_tokens")
-    stale_after_s: float = Field(10.0, gt=0)
     prior_alpha: float = Field(0.6, ge=0.0, le=1.0)
     sequence_prior_weight: float = Field(
         24.0, gt=0.0,
@@ -274,7 +275,7 @@ class SpeculationPolicy:
             s = speedup(alpha, k, b, self.costs, draft_batch=self._draft_batch(load, b))
             return SpeculationDecision(speculate=True, k=k, reason="forced_on", expected_speedup=s, alpha=alpha, batch_size=b)
 
-        if load.age_s > c.stale_after_s:
+        if load.age_s > STALE_AFTER_S:
             return SpeculationDecision(speculate=False, k=0, reason="stale_load", batch_size=b)
         if not load.draft_available:
             return SpeculationDecision(speculate=False, k=0, reason="no_draft", batch_size=b)

@@ -35,8 +35,8 @@ measured steps and seconds), not against the leader's figure from whenever: one 
 its goodput over the mean of those two windows, so a host whose speed drifts (the 2-core CPU
 host's moves ~1.7x within one sweep) shifts both sides alike. A mode's evidence is the
 time-decayed mean of its probes' ratios with its standard error; one probe spreads ~20 % at one
-stream, so the lead moves only when mean - `switch_z` s.e. > `switch_ratio`, and a share is cut
-only when mean + `FAR_Z` s.e. < `far_ratio`. A mode's first `warm_pairings` probes in a bucket come
+stream, so the lead moves only when mean - `SWITCH_Z` s.e. > `SWITCH_RATIO`, and a share is cut
+only when mean + `FAR_Z` s.e. < `FAR_RATIO`. A mode's first `WARM_PAIRINGS` probes in a bucket come
 at `warm_share` and it cannot take the lead before them: at 2 streams 0.25-s windows spread ~30 %,
 and single probes at ratios of 1.17 and 1.47 would move the lead (three moves in a level's first
 minutes, auto at 0.85 of 'on'), so windows are 1 s (`probe_min_s`) and a lead moves on three
@@ -56,7 +56,7 @@ forced 'on'. So every window lasts at least `window_lifetimes` mean sequence lif
 The fixed modes are what auto is judged against (the better of forced 'on' and 'off'); the planner
 is a model, right or wrong by the host. So a fresh arbiter starts led by a fixed mode
 (`first_leader`: plain, which needs no draft), the planner takes the lead from a fixed mode only
-when its mean ratio clears `plan_switch_z` standard errors, not `switch_z`, and it is probed as the
+when its mean ratio clears `plan_switch_z` standard errors, not `SWITCH_Z`, and it is probed as the
 long shot it is: at a new load after the fixed modes, at `plan_warm_share` of the leader's time.
 With 1-s pairings spreading 15-30 % and three or four of them in a level, whichever mode leads
 keeps the lead when the others are close: started led by the planner, or letting it lead on four
@@ -66,13 +66,13 @@ loads the planner ended up leading.
 The leader's figure is its latest window, not each mode's own long-run goodput: a stale figure
 from a faster period of the host would win against fresh ones (compared that way, auto ran at
 0.93-0.94 of the better fixed policy at 1-4 streams). The figure is dropped when the leader goes
-unmeasured `stale_after_s` (a new benchmark cell, a lull, forced traffic), no probe starts before
+unmeasured `LEADER_STALE_S` (a new benchmark cell, a lull, forced traffic), no probe starts before
 the leader is measured afresh, and a mode takes the lead only right after a probe paired it with
 the leader. On a change of leader every ratio is re-expressed against the new one.
 
 Steps whose batch is all forced the same way (every sequence 'on' at the default k, or every
 sequence 'off') update that mode's displayed goodput only: they are neither a probe nor a window
-of the leader, and a probe that has gone `stale_after_s` without a step (the auto cell ended) is
+of the leader, and a probe that has gone `LEADER_STALE_S` without a step (the auto cell ended) is
 dropped rather than finished in the next one. Pairing them with the leader's latest window
 misleads the arbiter: in the benchmark a forced cell starts right after an auto cell, and its first
 seconds would pair with the auto cell's last leader window, across the cell boundary (104 such
@@ -102,7 +102,7 @@ On the 2-core CPU host (a VM) it often does not: the share of CPU the hypervisor
 three quarters of one fixed policy's cell-to-cell spread (r = -0.87, ~1.4 % of goodput per point of
 steal; app/host_steal.py). With a steal meter the windows carry the host's steal share, and a
 pairing whose probe window's steal differs from the mean of the leader's windows around it by more
-than `max_steal_gap` is dropped: not evidence, and the mode waits its share before the next probe.
+than `MAX_STEAL_GAP` is dropped: not evidence, and the mode waits its share before the next probe.
 
 Single-threaded and Ray-free: the engine thread calls `mode` before planning a step and `observe`
 after it; time comes from an injected clock (tests drive a fake one).
@@ -114,7 +114,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from .mode_arbiter_config import CONTENDER_Z, EVIDENCE_HALF_LIFE_S, FAR_Z, PROBE_CV, ModeArbiterConfig
+from .mode_arbiter_config import (CONTENDER_Z, DISPLAY_HALF_LIFE_STEPS, EVIDENCE_HALF_LIFE_S, FAR_RATIO, FAR_Z,
+                                  LEADER_STALE_S, MAX_STEAL_GAP, PROBE_CV, SWITCH_RATIO, SWITCH_Z, WARM_PAIRINGS,
+                                  ModeArbiterConfig)
 from .mode_evidence import LoadBucket, MeasuredWindow, ModeProbe, ModeStats
 from .step_mode import HISTORY_DEPENDENT, MODES, StepMode, batch_bucket, forced_mode, mode_ks
 
@@ -131,7 +133,7 @@ class ModeArbiter:
         self.config = config or ModeArbiterConfig()
         self._clock = clock
         self._steal_meter = steal_meter
-        self._lambda = 0.5 ** (1.0 / self.config.half_life_steps)
+        self._lambda = 0.5 ** (1.0 / DISPLAY_HALF_LIFE_STEPS)
         self._buckets: dict[int, LoadBucket] = {}
         self._last_mode: StepMode | None = None  # the mode of the engine's last step, any bucket
         # the modes each running sequence has stepped in since it joined (the last step's batch)
@@ -176,19 +178,19 @@ class ModeArbiter:
                 # 0.88 of 'on', and over four sweeps the only load it led it led wrongly (32 streams)
                 near_s = self._buckets[near].stats["plan"].probe_s if near is not None else 0.0
                 b.stats["plan"].probe_s = max(near_s, self.config.probe_min_s)
-        if b.probe is not None and now - b.probe.last_t > self.config.stale_after_s:
+        if b.probe is not None and now - b.probe.last_t > LEADER_STALE_S:
             b.probe = None  # a lull or forced traffic: its pairing would span it (the leader's window goes
             # stale by itself, see _leader_window)
         return b
 
     def _far_early(self, s: ModeStats) -> bool:
-        """Surely under far_ratio of the leader after warm_loser_pairings: its warm-up ends (it cannot
-        take the lead before warm_pairings anyway). Why: at 16 streams on the CPU app three warm-up probes
+        """Surely under FAR_RATIO of the leader after warm_loser_pairings: its warm-up ends (it cannot
+        take the lead before WARM_PAIRINGS anyway). Why: at 16 streams on the CPU app three warm-up probes
         of 'off' (0.76, 0.75, 0.71 of 'on', each a ~2.5-s window and the switch back) take 7.7 s of auto's
-        ~78 and cost it ~3 %; two such pairings already put the mode surely under far_ratio."""
+        ~78 and cost it ~3 %; two such pairings already put the mode surely under FAR_RATIO."""
         c = self.config
         return (s.pairings >= c.warm_loser_pairings and s.ratio is not None
-                and s.ratio + FAR_Z * s.std_error(PROBE_CV) < c.far_ratio)
+                and s.ratio + FAR_Z * s.std_error(PROBE_CV) < FAR_RATIO)
 
     def _inherit_clear_losers(self, near: LoadBucket, b: LoadBucket, now: float) -> None:
         """A mode the nearest load found surely worse than its leader (b's leader too) by its own pairings
@@ -224,13 +226,13 @@ class ModeArbiter:
             dst.share = max(src.share, self.config.base_share / 2)
 
     def _share(self, m: StepMode, s: ModeStats) -> float:
-        """The time share of a mode's probes: high for a fixed mode until it is paired warm_pairings times,
+        """The time share of a mode's probes: high for a fixed mode until it is paired WARM_PAIRINGS times,
         and high again while its mean ratio says it may beat the leader (a contender, raced until the lead
         moves or the mean falls back). Why: at 4 streams on the CPU app 'on' paired at 1.10, 1.02 and 0.93
         of the inherited leader 'off' (the cells gave it ~9 % more), short of the switch; at the base share
         its next probe waited 33 s, and auto ran 41 s of its level in 'off'."""
         c = self.config
-        if s.pairings < c.warm_pairings and not self._far_early(s):
+        if s.pairings < WARM_PAIRINGS and not self._far_early(s):
             return c.plan_warm_share if m == "plan" else c.warm_share
         if s.ratio is not None and s.ratio > 1.0:
             return c.warm_share
@@ -255,15 +257,15 @@ class ModeArbiter:
         return w.steps >= self.config.probe_min_steps and w.seconds >= self._window_s(b)
 
     def _leader_stale(self, b: LoadBucket, now: float) -> bool:
-        """Whether the leader went unmeasured stale_after_s (its steps so far are then forgotten)."""
-        if b.leader_t is None or now - b.leader_t > self.config.stale_after_s:
+        """Whether the leader went unmeasured LEADER_STALE_S (its steps so far are then forgotten)."""
+        if b.leader_t is None or now - b.leader_t > LEADER_STALE_S:
             b.recent.clear()
             return True
         return False
 
     def _leader_window(self, b: LoadBucket, now: float) -> MeasuredWindow:
         """The leader's latest measured steps, as few as make a probe's length; none when the leader
-        went unmeasured stale_after_s (the bucket may have run forced traffic meanwhile)."""
+        went unmeasured LEADER_STALE_S (the bucket may have run forced traffic meanwhile)."""
         if self._leader_stale(b, now):
             return MeasuredWindow()
         # local sums, the bounds computed once: this walks ~a second of steps (~130 at 2 streams) and
@@ -366,9 +368,9 @@ class ModeArbiter:
         se = s.std_error(PROBE_CV)
         # one probe is noisy (a 0.25-s probe at one stream spread ~20 %): a share is cut, and the lead
         # moves, only on the mean of the probes and its standard error
-        s.share = max(s.share / 2, c.min_share) if s.ratio + FAR_Z * se < c.far_ratio else c.base_share
-        z = c.plan_switch_z if mode == "plan" else c.switch_z
-        if s.pairings >= c.warm_pairings and s.ratio - z * se > c.switch_ratio:
+        s.share = max(s.share / 2, c.min_share) if s.ratio + FAR_Z * se < FAR_RATIO else c.base_share
+        z = c.plan_switch_z if mode == "plan" else SWITCH_Z
+        if s.pairings >= WARM_PAIRINGS and s.ratio - z * se > SWITCH_RATIO:
             self._switch(b, mode, now)
 
     def _switch(self, b: LoadBucket, new: StepMode, now: float) -> None:
@@ -459,12 +461,12 @@ class ModeArbiter:
                         b.stats[p.mode].waited_s = p.after.seconds
 
     def _steal_moved(self, p: ModeProbe) -> bool:
-        """Whether the host's steal share during the probe was more than max_steal_gap away from the mean of
+        """Whether the host's steal share during the probe was more than MAX_STEAL_GAP away from the mean of
         the leader's windows around it (False where any of the three has no reading)."""
         during, before, after = p.during.steal, p.before.steal, p.after.steal
         if during is None or before is None or after is None:
             return False
-        return abs(during - (before + after) / 2) > self.config.max_steal_gap
+        return abs(during - (before + after) / 2) > MAX_STEAL_GAP
 
     def snapshot(self) -> dict[str, dict]:
         """Per load bucket (the largest batch of the last load_window_s): the leader, each mode's

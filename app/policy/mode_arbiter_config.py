@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .step_mode import StepMode
 
 # Settings no deployment tunes (constants, not ModeArbiterConfig fields):
-# standard errors by which a mode's mean ratio (+ FAR_Z s.e.) must be under far_ratio to count as a
+# standard errors by which a mode's mean ratio (+ FAR_Z s.e.) must be under FAR_RATIO to count as a
 # clear loser whose probe share halves: one s.e., so a mode is not starved on one bad probe
 FAR_Z = 1.0
 # a fixed mode whose mean ratio + CONTENDER_Z standard errors is above the leader's is a contender,
@@ -21,6 +21,29 @@ PROBE_CV = 0.2
 # wall seconds over which a mode's paired ratio to the leader is averaged: how fast evidence from
 # an older host state (speed, traffic) fades
 EVIDENCE_HALF_LIFE_S = 120.0
+# measured steps over which a mode's goodput is averaged for display (ModeArbiter.snapshot); the
+# decisions use paired ratios, never this
+DISPLAY_HALF_LIFE_STEPS = 64.0
+# a mode's first this many pairings in a load bucket are probed at warm_share, and it takes the
+# lead only after them: single probes spread ~30 % at 2 streams on the CPU app, so one lucky probe
+# must not move the lead
+WARM_PAIRINGS = 3
+# a mode surely under this share of the leader (mean ratio + FAR_Z standard errors) is a clear
+# loser: its probe share halves
+FAR_RATIO = 0.95
+# a mode takes the lead only when surely above this share of the leader (mean ratio - SWITCH_Z
+# standard errors): a lead does not move on a tie
+SWITCH_RATIO = 1.01
+# standard errors of the mean ratio a new fixed-mode leader must clear (the planner clears
+# plan_switch_z)
+SWITCH_Z = 0.5
+# a leader unmeasured this long (a lull, forced traffic) has no current figure: it is measured
+# afresh before any probe, and a probe this long without a step ends
+LEADER_STALE_S = 5.0
+# a pairing whose probe ran at a host CPU steal share this far from the mean of the leader's
+# windows around it is dropped (with a steal meter; the hypervisor's share on the 2-core CPU VM
+# explained most of one fixed policy's cell-to-cell spread)
+MAX_STEAL_GAP = 0.03
 
 
 class ModeArbiterConfig(BaseModel):
@@ -37,9 +60,7 @@ class ModeArbiterConfig(BaseModel):
                                                          "unpaired (a 'plan' window waits for the batch to turn "
                                                          "over)")
     settle_steps: int = Field(2, ge=0, description="steps after a mode change that are not measured (the switch's cost)")
-    warm_pairings: int = Field(3, ge=1, description="a mode's first this many pairings in a bucket are probed at "
-                                                    "warm_share, and it takes the lead only after them")
-    warm_loser_pairings: int = Field(2, ge=1, description="... but a mode surely under far_ratio after this many "
+    warm_loser_pairings: int = Field(2, ge=1, description="... but a mode surely under FAR_RATIO after this many "
                                                           "ends its warm-up (probed at its share from then on)")
     plan_warm_share: float = Field(0.02, gt=0.0, le=1.0, description="... and of the planner's, which also waits "
                                                                     "its last probe's length (probe_min_s, or the "
@@ -48,28 +69,16 @@ class ModeArbiterConfig(BaseModel):
                                                                     "3.5-7.5 % of auto's time per level, no "
                                                                     "bucket led, b32's 4.5 s probe never paired)")
     warm_share: float = Field(1.0, gt=0.0, le=1.0, description="time share of probes of a fixed mode not yet paired "
-                                                               "warm_pairings times")
+                                                               "WARM_PAIRINGS times")
     base_share: float = Field(0.03, gt=0.0, lt=1.0, description="time share of probes of a mode close to the leader "
                                                                 "(0.05: probes take ~13 % of auto's time at 2 streams "
                                                                 "in modes 6-13 % worse)")
     min_share: float = Field(0.005, gt=0.0, lt=1.0, description="the share's floor after repeated clear losses")
-    far_ratio: float = Field(0.95, gt=0.0, lt=1.0, description="a mode surely under this share of the leader "
-                                                               "(mean ratio + FAR_Z standard errors) halves its share")
-    switch_ratio: float = Field(1.01, ge=1.0, description="a mode takes the lead only when surely above this share of "
-                                                          "the leader (mean ratio - switch_z standard errors)")
-    switch_z: float = Field(0.5, ge=0.0, description="standard errors of the mean ratio a new leader must clear")
     plan_switch_z: float = Field(1.5, ge=0.0, description="... and the planner, taking the lead from a fixed mode "
                                                           "(the fixed modes are the choices auto is judged against)")
     first_leader: StepMode = Field("off", description="the leader of the first load bucket, before any "
                                                       "measurement (later buckets start with the nearest one's)")
-    half_life_steps: float = Field(64.0, gt=0.0, description="measured steps over which a mode's goodput is averaged "
-                                                              "for display (snapshot); decisions use paired ratios")
-    stale_after_s: float = Field(5.0, gt=0.0, description="a leader unmeasured this long has no current figure: "
-                                                          "it is measured afresh before any probe")
-    max_steal_gap: float = Field(0.03, gt=0.0, le=1.0, description="a pairing whose probe ran at a host CPU steal "
-                                                                   "share this far from the leader's windows around "
-                                                                   "it is dropped (needs a steal meter)")
-    inherit_clear_losers: bool = Field(True, description="a mode the nearest load found surely under far_ratio of "
+    inherit_clear_losers: bool = Field(True, description="a mode the nearest load found surely under FAR_RATIO of "
                                                          "their common leader is a suspect at a new load: one own "
                                                          "probe that agrees ends its warm-up (False: full warm-up)")
     window_lifetimes: float = Field(1.0, ge=0.0, description="every window (the leader's before and after a probe, "

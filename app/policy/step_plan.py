@@ -51,6 +51,10 @@ from dataclasses import dataclass, replace
 
 from .cost_model import StepCosts, expected_tokens_per_step
 
+# Drafts per sequence in an exploration step: the shallowest depth that measures acceptance past the
+# first position, at little more than a plain step's cost when the draft does not pay
+EXPLORATION_K = 2
+
 
 @dataclass(frozen=True)
 class StepCandidate:
@@ -263,7 +267,7 @@ class StepExplorer:
     that lasts as long as one base interval means acceptance is being measured at this load anyway.
     """
 
-    def __init__(self, every_steps: int, k: int, max_every_steps: int | None = None) -> None:
+    def __init__(self, every_steps: int, max_every_steps: int | None = None, *, k: int = EXPLORATION_K) -> None:
         if every_steps < 1 or k < 1:
             raise ValueError(f"exploration needs every_steps >= 1 and k >= 1, got {every_steps}, {k}")
         if max_every_steps is not None and max_every_steps < every_steps:

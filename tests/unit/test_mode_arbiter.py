@@ -102,8 +102,7 @@ def test_a_close_mode_stays_probed_at_the_base_share() -> None:
 
 
 def test_the_lead_moves_when_the_host_changes() -> None:
-    arb = arbiter(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.2,
-                                        half_life_steps=32)
+    arb = arbiter(probe_min_steps=8, probe_min_s=0.0, settle_steps=0, base_share=0.2)
     run(arb, 1000, {"plan": 100.0, "on": 120.0, "off": 80.0}.__getitem__)
     assert arb.snapshot()["b4"]["leader"] == "on"
     # the host slows drafting: now plain decoding wins
@@ -156,7 +155,7 @@ def test_the_lead_follows_a_true_ratio_under_a_host_that_drifts_every_step() -> 
 
 
 def test_a_new_leader_re_expresses_every_ratio() -> None:
-    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, switch_ratio=1.01)
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0)
     run(arb, 200, {"plan": 100.0, "on": 120.0, "off": 90.0}.__getitem__)
     snap = arb.snapshot()["b4"]
     assert snap["leader"] == "on"
@@ -179,7 +178,7 @@ def test_no_probe_before_the_leader_is_measured_afresh() -> None:
 def test_forced_traffic_is_shown_but_never_paired() -> None:
     """Run AR: forced cells paired with the previous auto cell's last leader window, across the
     cell boundary, made 'off' the leader at 4 streams where 'on' won by 26 %."""
-    arb = arbiter(probe_min_steps=2, probe_min_s=0.0, settle_steps=0, stale_after_s=5.0)
+    arb = arbiter(probe_min_steps=2, probe_min_s=0.0, settle_steps=0)
     run(arb, 50, {"plan": 100.0, "on": 100.0, "off": 100.0}.__getitem__, batch=8, step_s=0.1)
     paired = arb.snapshot()["b8"]["pairings"]["off"]
     for _ in range(20):
@@ -194,7 +193,7 @@ def pairs_of(arb: ModeArbiter, mode: str, bucket: str = "b4") -> int:
 
 def test_lucky_probes_do_not_take_the_lead_before_the_warm_up_ends() -> None:
     """Run AT: at 2 streams single probes at ratios of 1.17 and 1.47 moved the lead; a mode
-    takes the lead only after warm_pairings probes, and then on their mean less half a standard error."""
+    takes the lead only after WARM_PAIRINGS probes, and then on their mean less half a standard error."""
     arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, base_share=0.2, min_share=0.2)
     rates = {"plan": 100.0, "on": 150.0, "off": 80.0}
     for _ in range(20000):
@@ -208,9 +207,9 @@ def test_lucky_probes_do_not_take_the_lead_before_the_warm_up_ends() -> None:
 
 
 def test_one_bad_probe_does_not_shut_a_mode_out() -> None:
-    """Halving a mode's share on every probe under far_ratio would let one bad probe among noisy ones
+    """Halving a mode's share on every probe under FAR_RATIO would let one bad probe among noisy ones
     start a slide to the floor ('off' at 0.005 at one stream, where 'off' wins): only a mean surely under
-    far_ratio halves it."""
+    FAR_RATIO halves it."""
     arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, base_share=0.1)
     first = {"off": True}
 
@@ -233,7 +232,7 @@ def test_one_bad_probe_does_not_shut_a_mode_out() -> None:
 def test_a_forced_cell_after_the_leader_stopped_is_not_paired_with_its_old_figure() -> None:
     """Run AQ's bug: the leader's figure was dropped only after the *bucket* sat idle, so a forced
     cell right after an auto cell kept pairing with the auto cell's last leader window for minutes."""
-    arb = arbiter(probe_min_steps=4, probe_min_s=0.25, settle_steps=0, stale_after_s=5.0)
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.25, settle_steps=0)
     run(arb, 400, {"plan": 100.0, "on": 100.0, "off": 100.0}.__getitem__, batch=1, step_s=0.05)
     before = arb.snapshot()["b1"]["pairings"]["off"]
     for _ in range(1200):  # 60 s of forced 'off' steps in the same bucket, the leader not running
@@ -245,7 +244,7 @@ def test_forced_steps_neither_finish_a_probe_nor_stand_for_the_leader() -> None:
     """An auto cell can end with a probe whose leader window after it is still open; the forced 'on'
     cell that follows runs the leader's mode, but at another time and under other traffic: its steps
     must not close the pairing (on ad5aaa3 they did), and the probe is dropped once stale."""
-    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0, stale_after_s=5.0)
+    arb = arbiter(probe_min_steps=4, probe_min_s=0.0, settle_steps=0)
     rates = {"plan": 100.0, "on": 150.0, "off": 80.0}
     run(arb, 400, rates.__getitem__)
     assert arb.snapshot()["b4"]["leader"] == "on"
@@ -557,7 +556,7 @@ def test_a_load_past_a_crossover_finds_the_neighbours_clear_loser_within_two_min
 def test_a_mode_whose_warm_up_ended_early_at_the_nearest_load_is_a_suspect_at_the_next() -> None:
     """Run BX (2e29455): b8 ended 'off''s warm-up after two pairings at 0.80 and 0.75 of 'on'
     (warm_loser_pairings), yet b16 and b32 each warmed it up again (two probes, 4.3 and 4.7 s of ~75
-    and ~52 in a mode at 0.66-0.72 of 'on'): inheritance asked for warm_pairings pairings there. Now
+    and ~52 in a mode at 0.66-0.72 of 'on'): inheritance asked for WARM_PAIRINGS pairings there. Now
     one own probe at b16 confirms it."""
     arb = arbiter(probe_min_steps=4, probe_min_s=1.0, settle_steps=0, first_leader="on")
     rates = {"plan": 140.0, "on": 150.0, "off": 110.0}
@@ -631,14 +630,14 @@ def test_a_fresh_arbiter_is_led_by_plain_decoding_until_a_mode_surely_beats_it()
 
 
 @pytest.mark.parametrize("challenger, plan_switch_z, leads", [
-    ("off", 1.5, True),  # a fixed mode moves in on this evidence (switch_z 0.5)
+    ("off", 1.5, True),  # a fixed mode moves in on this evidence (SWITCH_Z 0.5)
     ("plan", 1.5, False),  # the planner, on the same evidence, does not
     ("plan", 0.5, True),  # ... and the wider bar is what keeps it out
 ])
 def test_the_planner_needs_surer_evidence_than_a_fixed_mode_to_take_the_lead(
         challenger: str, plan_switch_z: float, leads: bool) -> None:
     """Three pairings at 1.25, 0.95 and 1.20 of the leader 'on': mean 1.133, s.e. 0.093 (the prior
-    spread 0.2 shrunk in), so mean - 0.5 s.e. = 1.087 clears switch_ratio 1.01 and mean - 1.5 s.e.
+    spread 0.2 shrunk in), so mean - 0.5 s.e. = 1.087 clears SWITCH_RATIO 1.01 and mean - 1.5 s.e.
     = 0.994 does not. Runs BB-BF: close modes kept whichever lead they had, and the planner's leads
     were where a fixed policy's cells beat auto."""
     arb = arbiter(first_leader="on", plan_switch_z=plan_switch_z)
@@ -801,7 +800,7 @@ def test_a_race_of_a_mode_a_little_worse_ends_and_costs_little() -> None:
 @pytest.mark.parametrize("warm_loser_pairings", [2, 3])
 def test_a_mode_surely_far_worse_ends_its_warm_up_early(warm_loser_pairings: int) -> None:
     """Run BT, 16 streams: three warm-up probes of 'off' at 0.71-0.76 of 'on' (each a ~2.5-s window and
-    the switch back) took 7.7 s of auto's ~78. Two such pairings already put it surely under far_ratio:
+    the switch back) took 7.7 s of auto's ~78. Two such pairings already put it surely under FAR_RATIO:
     from then on it is probed at its (halved) share, not at the leader's own time."""
     arb = arbiter(probe_min_steps=4, probe_min_s=1.0, settle_steps=0, first_leader="on",
                   warm_loser_pairings=warm_loser_pairings)
