@@ -509,7 +509,7 @@ def test_a_new_load_confirms_a_mode_the_nearest_load_found_far_worse_with_one_pr
         assert chosen["off"] == 4 and b32["pairings"]["off"] == 2
         assert b32["pairings"]["plan"] >= 3  # close in b16: warmed up again here
     else:
-        assert chosen["off"] >= 8  # the warm-up: two probes, then it is surely under far_ratio (warm_loser_pairings)
+        assert chosen["off"] >= 8  # the warm-up: two probes, then it is surely under FAR_RATIO (warm_loser_pairings)
 
 
 @pytest.mark.parametrize("probe_s_there, share_there, share_here", [
