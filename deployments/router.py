@@ -4,7 +4,7 @@ OpenAI-compatible: /v1/completions, /v1/chat/completions (stream or not), /v1/mo
 /health; /tokenize and /detokenize as vLLM's. Bad input gets OpenAI error JSON with a 4xx. A
 request for several choices (n > 1, a list of prompts) runs one generation per choice on the
 targets, concurrently. A target replica that dies mid-request is replaced transparently: the
-request is re-issued to another replica with the prompt plus every token already streamed, so the
+request is re-issued to another replica, which resumes after every token already streamed, so the
 stream continues where it stopped.
 """
 
@@ -18,7 +18,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,7 +28,7 @@ from app.health import ProbeSettings, TargetHealth
 from app.protocol.generation import GenerateChunk, GenerateRequest
 from app.runners.loading import load_tokenizer
 from app.protocol.openai_api import (
-    UNKNOWN_FIELD, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
     TokenizeRequest, best_of_order, chat_chunk, chat_response, completion_chunk, completion_response, error_body,
     logprobs_block, new_id,
     template_messages, tokenize_model,
@@ -37,6 +36,7 @@ from app.protocol.openai_api import (
 from app.policy import LoadSnapshot, PolicyRequest, SpeculationDecision, SpeculationPolicy, classify_prompt
 from deployments.metrics_ray import ServeMetrics
 from deployments.replica_info import live_config
+from deployments.request_body import json_body, parse_body
 from deployments.request_router import load_registry
 from deployments.request_run import (
     RequestError, RequestRun, admit, collect, combined_usage, merged_chunks, provenance,
@@ -104,39 +104,6 @@ class ApiKeyMiddleware:
 
 
 fastapi_app.add_middleware(ApiKeyMiddleware)
-
-
-def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
-    if isinstance(node, dict):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#/$defs/"):
-            return _inline_refs(defs[ref.rsplit("/", 1)[1]], defs)
-        return {k: _inline_refs(v, defs) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_inline_refs(v, defs) for v in node]
-    return node
-
-
-def _json_body(model) -> dict[str, Any]:
-    """OpenAPI request body for a handler that parses its raw Request (to answer 400, not 422)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": _inline_refs(schema, defs)}}}}
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _param(loc: tuple) -> str | None:
-    """The request field a validation error is about: pydantic puts union members in the loc
-    ("prompt.str", "prompt.list[int].0"); OpenAI's `param` names only the field ("prompt")."""
-    parts: list[str] = []
-    for p in loc:
-        if isinstance(p, str) and (p in _UNION_TAGS or "[" in p):
-            break
-        parts.append(str(p))
-    return ".".join(parts) or None
 
 
 @serve.deployment
@@ -240,15 +207,15 @@ class Router:
             return FileResponse(PLAYGROUND, media_type="text/html")
         return JSONResponse({"message": "specserve: POST /v1/completions"})
 
-    @fastapi_app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    @fastapi_app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(self, request: Request):
         return self._count_error(await self._handle(request, chat=False))
 
-    @fastapi_app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+    @fastapi_app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request):
         return self._count_error(await self._handle(request, chat=True))
 
-    @fastapi_app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
+    @fastapi_app.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize(self, request: Request) -> JSONResponse:
         """As vLLM's: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens", "token_strs"}.
         By default the ids /v1/completions and /v1/chat/completions would feed the model."""
@@ -266,7 +233,7 @@ class Router:
         strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": self.max_context, "tokens": ids, "token_strs": strs})
 
-    @fastapi_app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
+    @fastapi_app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> JSONResponse:
         """As vLLM's: {"tokens"} -> {"prompt"}."""
         try:
@@ -426,37 +393,7 @@ class Router:
 
     async def _parse(self, request: Request, model):
         """The body as `model` (or as the model `model(data)` picks), or a 400 naming the field."""
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise RequestError(400, "request body is nested too deeply") from None
-        if not isinstance(data, dict):
-            raise RequestError(400, "request body must be a JSON object")
-        try:  # a "\ud800" escape decodes to a lone surrogate, which the tokenizer cannot take
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(400, "request body contains a lone UTF-16 surrogate escape") from None
-        except RecursionError:
-            raise RequestError(400, "request body is nested too deeply") from None
-        if not isinstance(model, type):
-            model = model(data)
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            errors = e.errors()
-            err = errors[0]
-            param = _param(err.get("loc", ()))
-            msg = UNKNOWN_FIELD if err.get("type") == "extra_forbidden" else str(err.get("msg"))
-            if param and len(err.get("loc", ())) > param.count(".") + 1:  # a union: what each member wanted
-                n = param.count(".") + 1
-                msg = "; ".join(f"as {'.'.join(map(str, x['loc'][n:]))}: {x['msg']}"
-                                for x in errors if _param(x.get("loc", ())) == param)
-            raise RequestError(400, f"{param}: {msg}" if param else msg, param) from None
-        except RecursionError:
-            raise RequestError(400, "request body is nested too deeply") from None
+        return parse_body(await request.body(), model)
 
     def _tokenize(self, body, chat: bool) -> list[tuple[list[int], str]]:
         """(token ids, text) of each prompt: a chat's one templated prompt, or each completion prompt."""

@@ -1,7 +1,7 @@
 """Hostile input: property-based fuzzing of the HTTP API. No input gets a 5xx, none hangs.
 
 - schemathesis from the app's OpenAPI schema (the completion routes declare their request bodies
-  from app/protocol/openai_api.py's models; see deployments/router.py `_json_body`), valid and
+  from app/protocol/openai_api.py's models; see deployments/request_body.py `json_body`), valid and
   invalid bodies alike;
 - hypothesis with raw bodies: arbitrary bytes, arbitrary JSON, near-valid requests with fields
   swapped for wrong-typed / absurd values, plus hand-picked nasties (huge, deeply nested, lone
