@@ -21,7 +21,6 @@ tensors. Synchronous and Ray-free: the Serve target deployment drives `step()` f
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from app.protocol.sampling_params import SamplingParams
 from app.engine.detokenizer import StopChecker
 from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
 from app.runners.model_runner import ContextOverflow, ModelRunner
-from app.spec.grammar import GrammarState, Grammars
+from app.spec.grammar import GrammarState, LazyGrammars
 from app.spec.sampling import sample_token
 from app.spec.verify import RowToVerify, TokenLogprob, token_logprobs, verify_batch
 
@@ -145,8 +144,7 @@ class SpecEngine:
         self.grammar_cut_tokens = 0  # proposals dropped because the response format forbids them (or what followed)
         self.queue_times: list[float] = []  # seconds admitted requests waited; the caller drains it
         self._special_ids = frozenset(getattr(runner.tokenizer, "all_special_ids", ()) or ())
-        self._grammars: Grammars | None = None  # built on the first request with a response format
-        self._grammars_lock = threading.Lock()  # prepare() runs on other threads than step()
+        self._grammars = LazyGrammars(runner.tokenizer, runner.vocab_size, runner.eos_ids, max_rollback=max_k + 1)
 
     # ---- admission -------------------------------------------------------------------
     def add(
@@ -201,20 +199,16 @@ class SpecEngine:
         a large vocabulary and compiling a large schema take up to seconds, which a caller spends
         on its own thread instead of holding up every sequence's steps. ValueError for a bad schema."""
         if sampling.response_format is not None:
-            self._compiler().compile(sampling.response_format)
-
-    def _compiler(self) -> Grammars:
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = Grammars(self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids,
-                                          max_rollback=self.max_k + 1)
-            return self._grammars
+            self._grammars.prepare(sampling.response_format)
+            if self.proposer is not None:
+                self.proposer.prepare(sampling)
 
     def _grammar(self, sampling: SamplingParams, resumed: list[int]) -> GrammarState | None:
         """The response format's matcher after the output so far; ValueError for a bad schema."""
         if sampling.response_format is None:
             return None
-        grammar = self._compiler().state(sampling.response_format)
+        self.prepare(sampling)  # at once where prepare() ran before (the target replica calls it)
+        grammar = self._grammars.state(sampling.response_format)
         try:
             grammar.advance(resumed)
         except RuntimeError as e:

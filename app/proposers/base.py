@@ -63,6 +63,10 @@ class Proposer(ABC):
         nothing to catch up (n-gram)."""
         return 0
 
+    def prepare(self, sampling: SamplingParams) -> None:
+        """Before a request is added: do what would otherwise stall a step the first time its
+        settings are seen (compiling its response format). Nothing for most proposers."""
+
     def observe(self, seq_id: str, num_accepted: int) -> None:
         """Feedback after verification: how many of the last proposals were accepted."""
 

@@ -27,7 +27,8 @@ from app.config import MAX_SPECULATIVE_TOKENS, ModelSpec
 from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer
 from app.runners.model_runner import ModelRunner
 from app.runners.transfer import to_device
-from app.spec.grammar import GrammarState, Grammars, apply_mask
+from app.protocol.sampling_params import SamplingParams
+from app.spec.grammar import GrammarState, LazyGrammars, apply_mask
 from app.spec.sampling import inverse_cdf, processed_probs, uniforms
 
 
@@ -41,7 +42,7 @@ class DraftModelProposer(Proposer):
         self.fed: OrderedDict[str, list[int]] = OrderedDict()  # per sequence: the tokens its cache holds, LRU order
         self.cache_misses = 0  # sequences rebuilt from scratch (new, evicted or replica restarted)
         self._prefilled = 0  # tokens the current step's catch-ups prefilled
-        self._grammars: Grammars | None = None  # built on the first sequence with a response format
+        self._grammars = LazyGrammars(runner.tokenizer, runner.vocab_size, runner.eos_ids, MAX_SPECULATIVE_TOKENS)
         self._grammar_states: dict[str, tuple[GrammarState, int]] = {}  # seq -> (matcher, output tokens it followed)
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
@@ -169,7 +170,8 @@ class DraftModelProposer(Proposer):
 
     def _grammar(self, r: ProposalRequest) -> GrammarState | None:
         """The sequence's response-format matcher at the end of its output; None without one, or
-        where the output does not follow it (then the draft proposes freely: only speed is lost)."""
+        where the output does not follow it, or while the format compiles in the background (then
+        the draft proposes freely: only speed is lost)."""
         fmt = r.sampling.response_format
         if fmt is None:
             return None
@@ -177,9 +179,8 @@ class DraftModelProposer(Proposer):
         held = self._grammar_states.get(r.seq_id)
         try:
             if held is None or held[1] > len(output):
-                if self._grammars is None:
-                    self._grammars = Grammars(self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids,
-                                              max_rollback=MAX_SPECULATIVE_TOKENS)
+                if not self._grammars.ready(fmt):
+                    return None
                 held = (self._grammars.state(fmt), 0)
             state, consumed = held
             state.advance(output[consumed:])
@@ -188,6 +189,15 @@ class DraftModelProposer(Proposer):
             return None
         self._grammar_states[r.seq_id] = (state, len(output))
         return state
+
+    def prepare(self, sampling: SamplingParams) -> None:
+        """Compile the response format now (in-process use; a draft replica compiles in the
+        background the first time a step brings it). A bad schema is the target's to report."""
+        if sampling.response_format is not None:
+            try:
+                self._grammars.prepare(sampling.response_format)
+            except ValueError:
+                pass
 
     def release(self, seq_id: str) -> None:
         self.fed.pop(seq_id, None)

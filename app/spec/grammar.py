@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
@@ -123,6 +126,58 @@ class Grammars:
         """A matcher at the start of the output; ValueError for a schema the compiler refuses."""
         matcher = self._xgr.GrammarMatcher(self._compile(fmt), max_rollback_tokens=self.max_rollback)
         return GrammarState(matcher, self.vocab_size)
+
+
+class LazyGrammars:
+    """A model's Grammars, built on first use, and compiled formats: now (prepare, on the caller's
+    thread) or in the background (ready), so a model step never waits for a compilation."""
+
+    MAX_FORMATS = 64  # as Grammars' compile cache
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: frozenset[int], max_rollback: int) -> None:
+        self._args = (tokenizer, vocab_size, stop_ids, max_rollback)
+        self._grammars: Grammars | None = None
+        self._lock = threading.Lock()  # guards _grammars and _pending
+        self._pending: OrderedDict[StructuredOutput, Future] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _get(self) -> Grammars:
+        if self._grammars is None:  # built outside the lock (seconds for a large vocabulary): ready() never waits
+            built = Grammars(*self._args)
+            with self._lock:
+                if self._grammars is None:
+                    self._grammars = built
+        return self._grammars
+
+    def prepare(self, fmt: StructuredOutput) -> None:
+        """Compile now; ValueError for a schema the compiler refuses."""
+        self._get().compile(fmt)
+        with self._lock:
+            if fmt not in self._pending:  # ready() from now on
+                done: Future = Future()
+                done.set_result(None)
+                self._remember(fmt, done)
+
+    def _remember(self, fmt: StructuredOutput, future: Future) -> None:
+        self._pending[fmt] = future
+        while len(self._pending) > self.MAX_FORMATS:
+            self._pending.popitem(last=False)
+
+    def ready(self, fmt: StructuredOutput) -> bool:
+        """Whether `fmt` is compiled; if not, its compilation starts in the background."""
+        with self._lock:
+            future = self._pending.get(fmt)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+                # building the Grammars (reading the vocabulary) happens on the pool's thread too
+                future = self._pool.submit(lambda: self._get().compile(fmt))
+                self._remember(fmt, future)
+            self._pending.move_to_end(fmt)
+        return future.done() and future.exception() is None
+
+    def state(self, fmt: StructuredOutput) -> GrammarState:
+        return self._get().state(fmt)
 
 
 def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
