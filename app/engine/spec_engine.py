@@ -293,7 +293,7 @@ class SpecEngine:
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
             seq.prefilled += len(chunk)
             if not seq.prefilling:
-                mask = seq.grammar.masks([])[0] if seq.grammar is not None else None
+                mask = seq.grammar.next_mask() if seq.grammar is not None else None
                 chosen = sample_token(logits[i], seq.sampling, seq.seed, seq.prefill_len, len(seq.output_ids),
                                       self._banned(seq), (seq.prompt_ids, seq.output_ids, []), mask)
                 logprobs = None

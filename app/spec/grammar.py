@@ -33,6 +33,7 @@ from app.protocol.sampling_params import StructuredOutput
 from app.runners.transfer import to_device
 
 _BITS = 32  # xgrammar's bitmask: int32 words, bit i of word w is token 32 w + i
+MAX_FORMATS = 64  # compiled response formats a model keeps (least recently used ones go)
 
 
 class GrammarState:
@@ -64,13 +65,12 @@ class GrammarState:
             n += 1
             if self.done:  # the proposal was the stop token: nothing may follow it
                 break
-        if n:
-            self.matcher.rollback(n)
+        self.rollback(n)
         return bitmask[:n + 1], n
 
     def next_mask(self) -> torch.Tensor | None:
         """The bitmask `[1, words]` of the next position; None when the grammar is done."""
-        return None if self.done else self.masks([])[0]
+        return self.masks([])[0]
 
     def try_accept(self, token: int) -> bool:
         """Follow a proposal (undo with rollback); False, and no move, where the grammar forbids it."""
@@ -104,7 +104,7 @@ class Grammars:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_ids) or None)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        self._compile = lru_cache(maxsize=64)(self._compile_uncached)
+        self._compile = lru_cache(maxsize=MAX_FORMATS)(self._compile_uncached)
 
     def _compile_uncached(self, fmt: StructuredOutput) -> Any:
         # any_whitespace=False: JSON with single separators. A model free to add whitespace can
@@ -132,8 +132,6 @@ class LazyGrammars:
     """A model's Grammars, built on first use, and compiled formats: now (prepare, on the caller's
     thread) or in the background (ready), so a model step never waits for a compilation."""
 
-    MAX_FORMATS = 64  # as Grammars' compile cache
-
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: frozenset[int], max_rollback: int) -> None:
         self._args = (tokenizer, vocab_size, stop_ids, max_rollback)
         self._grammars: Grammars | None = None
@@ -160,7 +158,7 @@ class LazyGrammars:
 
     def _remember(self, fmt: StructuredOutput, future: Future) -> None:
         self._pending[fmt] = future
-        while len(self._pending) > self.MAX_FORMATS:
+        while len(self._pending) > MAX_FORMATS:
             self._pending.popitem(last=False)
 
     def ready(self, fmt: StructuredOutput) -> bool:
