@@ -1,8 +1,12 @@
 """Start the real application on a local Ray (CPU) for HTTP tests.
 
-`serve_app(overrides)` deploys configs/local.yaml's AppConfig with deep-merged overrides on
-a free loopback port and yields its base URL. Ray is started once per test session;
-each app is deleted at the end of its fixture so modules can deploy different shapes.
+`deployed(port, overrides)` deploys configs/local.yaml's AppConfig with deep-merged overrides on
+a free loopback port and yields its base URL; the app is deleted when the block ends, so modules
+can deploy different shapes. Ray is started once per test session.
+
+`app_url` is the unchanged configs/local.yaml application. Its modules only read from it, so one
+deployment serves all of them: they run first (`pytest_collection_modifyitems`), and the shared
+app is deleted before any other shape is deployed under the same name and route.
 """
 
 from __future__ import annotations
@@ -31,13 +35,48 @@ def ray_cluster() -> Iterator[int]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
+    _shared.close()
     serve.shutdown()
     ray.shutdown()
+
+
+class _SharedApp:
+    """The default application, deployed once and kept until another shape needs its route."""
+
+    def __init__(self) -> None:
+        self._block: Any = None
+        self.base: str | None = None
+
+    def url(self, port: int) -> str:
+        if self.base is None:
+            self._block = deployed(port)
+            self.base = self._block.__enter__()
+        return self.base
+
+    def close(self) -> None:
+        if self._block is not None:
+            block, self._block, self.base = self._block, None, None
+            block.__exit__(None, None, None)
+
+
+_shared = _SharedApp()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Within tests/serve, the tests on the shared default app run first (a stable sort in the serve
+    tests' own slots: everything else keeps its place and order)."""
+    slots = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/serve/")]
+    serve_items = sorted((items[i] for i in slots), key=lambda item: "app_url" not in item.fixturenames)
+    for i, item in zip(slots, serve_items):
+        items[i] = item
 
 
 @contextmanager
 def deployed(port: int, overrides: dict | None = None, name: str = "specserve") -> Iterator[str]:
     from ray import serve
+
+    if _shared.base is not None:
+        _shared.close()  # one route, one app: the shared default gives way
 
     from deployments.builder import build_app
 
@@ -61,7 +100,6 @@ def deployed(port: int, overrides: dict | None = None, name: str = "specserve") 
 
 
 @pytest.fixture(scope="module")
-def app_url(ray_cluster: int) -> Iterator[str]:
-    """The default local application (configs/local.yaml) for a test module."""
-    with deployed(ray_cluster) as base:
-        yield base
+def app_url(ray_cluster: int) -> str:
+    """The default local application (configs/local.yaml), shared by the modules that use it."""
+    return _shared.url(ray_cluster)
