@@ -23,13 +23,18 @@ draft replicas sharing the card) is deployed on 127.0.0.1. Clients send 128-toke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import random
+import shutil
+import signal
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,6 +183,38 @@ def run_level(port: int, prompts: list[str], streams: int, per_stream: int, stre
     return row, results
 
 
+@contextlib.contextmanager
+def spying(folder: Path | None, tag: str) -> Iterator[None]:
+    """With a folder: py-spy samples every Serve process (replicas and the HTTP proxy) while the block
+    runs, one collapsed-stack file per process (`<tag>-<process>.txt`, py-spy's raw format: where a
+    replica's Python time goes at that level). Needs the py-spy binary on PATH."""
+    if folder is None:
+        yield
+        return
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("--spy needs py-spy on PATH (pip install py-spy)")
+    folder.mkdir(parents=True, exist_ok=True)
+    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    procs = []
+    for line in ps.splitlines():
+        pid, _, cmd = line.strip().partition(" ")
+        if "ServeReplica:" in cmd or "ProxyActor" in cmd:
+            name = cmd.split()[0].split(":")[-1].replace("ray::", "")
+            out = folder / f"{tag}-{name}-{pid}.txt"
+            procs.append(subprocess.Popen([spy, "record", "--pid", pid, "--format", "raw", "--rate", "200",
+                                           "--threads", "--nonblocking", "--output", str(out)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(0.5)  # attached before the level starts
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for proc in procs:
+            proc.wait(timeout=30)
+
+
 def step_breakdown(steps: dict) -> dict:
     """The target replica's engine steps of a level: mean batch and milliseconds per step by phase."""
     n = max(steps["steps"], 1)
@@ -239,8 +276,13 @@ def main() -> None:
     parser.add_argument("--alphas", default="0.7,0.9")
     parser.add_argument("--k", default="0.7:4,0.9:8", help="draft length per alpha")
     parser.add_argument("--out", type=Path, default=Path("bench/out/serve_gpu.json"))
+    parser.add_argument("--spy", type=Path, default=None,
+                        help="a folder: py-spy samples the Serve processes during the --spy-levels' runs")
+    parser.add_argument("--spy-levels", default="1,32", help="stream counts to sample with --spy")
+    parser.add_argument("--logs", type=Path, default=None, help="a folder: copy Ray's Serve logs there at the end")
     parser.add_argument("--port", type=int, default=8000, help="the HTTP proxy's port on 127.0.0.1")
     args = parser.parse_args()
+    spy_levels = {int(s) for s in args.spy_levels.split(",") if s}
     t_start = time.perf_counter()
     res: dict = {"command": "python3 -m bench.serve_gpu", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.device == "cuda":
@@ -283,7 +325,8 @@ def main() -> None:
         for stream in (False, True):
             per_stream = max(2, 8 // streams) if streams < 32 else 2
             target_handle.pass_report.remote().result()
-            row, results = run_level(port, prompts, streams, per_stream, stream, "off", None, args.max_tokens)
+            with spying(args.spy if streams in spy_levels else None, f"plain{streams}{'-stream' if stream else ''}"):
+                row, results = run_level(port, prompts, streams, per_stream, stream, "off", None, args.max_tokens)
             row["engine_steps"] = step_breakdown(target_handle.pass_report.remote().result()["steps"])
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -298,7 +341,8 @@ def main() -> None:
         for streams in (int(s) for s in args.spec_streams.split(",")):
             target_handle.pass_report.remote().result()
             per_stream = max(2, 8 // streams)
-            row, results = run_level(port, prompts, streams, per_stream, False, "on", ks[alpha], args.max_tokens)
+            with spying(args.spy if streams in spy_levels else None, f"spec{alpha}-{streams}"):
+                row, results = run_level(port, prompts, streams, per_stream, False, "on", ks[alpha], args.max_tokens)
             parts = target_handle.pass_report.remote().result()
             row["engine_steps"] = step_breakdown(parts["steps"])
             row.update(alpha=alpha, exchange_share=parts["exchange_s"] / max(parts["pass_s"], 1e-9),
@@ -325,6 +369,8 @@ def main() -> None:
     args.out.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k not in ("plain", "speculative")}, indent=1))
     print(markdown(res))
+    if args.logs is not None:
+        shutil.copytree("/tmp/ray/session_latest/logs/serve", args.logs, dirs_exist_ok=True)
     serve.shutdown()
     ray.shutdown()
 

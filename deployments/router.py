@@ -327,7 +327,7 @@ class Router:
                 gen = GenerateRequest(rid if len(prompts) * per_prompt == 1 else f"{rid}-{len(runs)}", prompt_ids,
                                       choice_sampling, max_k,
                                       self.config.engine.limits.request_timeout_s, adaptive=adaptive,
-                                      alpha_prior=decision.alpha)
+                                      alpha_prior=decision.alpha, streaming=bool(body.stream))
                 runs.append(RequestRun(self, gen, decision, body.speculation, classify_prompt(text, chat=chat),
                                        shares_request=len(prompts) * per_prompt > 1, count_prompt=j == 0))
         echoes = [text for _, text in prompts for _ in range(body.n)] if not chat and body.echo else None

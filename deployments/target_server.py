@@ -21,7 +21,7 @@ from app.config import AppConfig, PolicyConfig, UserConfig
 from app.protocol.draft_channel import DraftChannelClient
 from app.protocol.draft import DraftClient, DraftStepRequest, DraftStepResponse, DraftUnavailable
 from app.engine.spec_engine import Overloaded, SpecEngine
-from app.engine.loop import EngineLoop, stream_batches
+from app.engine.loop import EngineLoop, stream_batches, stream_gap_s
 from app.protocol.generation import GenerateChunk, GenerateRequest
 from app.host_steal import StealMeter
 from app.runners.model_runner import ContextOverflow, ModelRunner
@@ -383,7 +383,8 @@ class TargetServer:
             return
         finished = False
         try:
-            async for batch in stream_batches(queue, request.timeout_s):
+            gap = lambda: stream_gap_s(self._streams, request.streaming)  # noqa: E731 — open streams change
+            async for batch in stream_batches(queue, request.timeout_s, gap):
                 last = batch[-1]
                 finished = last.finish_reason is not None
                 if len(batch) == 1:

@@ -18,6 +18,9 @@ class GenerateRequest:
     alpha_prior: float | None = None  # the router's acceptance estimate for the prompt's class
     # on failover: the tokens already streamed; the new replica resumes after them (SpecEngine.add)
     output_ids: tuple[int, ...] = ()
+    # the client reads tokens as they come; False: chunks serve only failover, so the target merges
+    # more steps into each (app/engine/loop.py stream_gap_s)
+    streaming: bool = True
 
 
 @dataclass(frozen=True)

@@ -97,3 +97,37 @@ def test_a_merged_chunk_keeps_each_steps_drafts_and_origins() -> None:
     merged = GenerateChunk([7, 8, 9, 10], "abcd", None, drafted=6, accepted=3, steps=((3, 4, 2), (1, 2, 1)))
     assert merged.parts() == ((3, 4, 2), (1, 2, 1))
     assert merged.origins() == [True, True, False, True]
+
+
+def test_many_streams_space_their_items_and_non_streaming_merges_more() -> None:
+    from app.engine.loop import NON_STREAMING_GAP_S, STREAM_ITEMS_PER_S, stream_gap_s
+
+    assert stream_gap_s(1, True) < 0.001  # a lone stream: an item per step
+    assert stream_gap_s(64, True) == 2 * stream_gap_s(32, True) == 64 / STREAM_ITEMS_PER_S
+    assert stream_gap_s(1, False) == NON_STREAMING_GAP_S
+    assert stream_gap_s(10_000, False) == 10_000 / STREAM_ITEMS_PER_S
+
+
+@pytest.mark.parametrize("gap, expected", [(0.0, [[1], [2], [3, 4]]), (0.3, [[1], [2, 3, 4]])])
+def test_an_update_sooner_than_the_gap_waits_for_the_steps_after_it(gap: float, expected: list) -> None:
+    from app.engine.loop import stream_batches
+
+    async def run() -> list[list[int]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(update(1))
+
+        async def later_steps() -> None:
+            await asyncio.sleep(0.02)
+            queue.put_nowait(update(3))
+            queue.put_nowait(update(4, "stop"))
+
+        batches: list[list[int]] = []
+        async for batch in stream_batches(queue, 5.0, lambda: gap):
+            batches.append([x for u in batch for x in u.token_ids])
+            if len(batches) == 1:  # the first update is never held back
+                queue.put_nowait(update(2))
+                task = asyncio.create_task(later_steps())
+        await task
+        return batches
+
+    assert asyncio.run(run()) == expected
