@@ -70,7 +70,16 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """A new list: prompt and output (hot loops use `length` and `last_token`)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def remaining(self) -> int:
@@ -306,14 +315,14 @@ class SpecEngine:
     def _decode_step(self, batch: list[Sequence], times: StepTimes) -> list[SeqUpdate]:
         caps = []
         for seq in batch:
-            held = len(seq.token_ids) - 1
+            held = seq.length - 1
             if self.runner.length(seq.seq_id) != held:
                 # the cache does not hold the truth: rebuild it by prefill (caches are only caches)
                 self.runner.truncate(seq.seq_id, 0)
                 for start in range(0, held, self.prefill_chunk):
                     self.runner.prefill(seq.seq_id, seq.token_ids[start:min(held, start + self.prefill_chunk)])
             # no proposals past max_tokens (the target adds one) or past the context
-            room = min(seq.remaining - 1, self.runner.max_context - len(seq.token_ids) - 1)
+            room = min(seq.remaining - 1, self.runner.max_context - seq.length - 1)
             caps.append(max(0, min(seq.k, self.max_k, room)))
         # the planner sees every step, all-plain ones too (the target server measures those as a mode)
         ks = self.plan_k(batch, caps) if self.plan_k is not None else caps
@@ -322,13 +331,13 @@ class SpecEngine:
             step_k[seq.seq_id] = seq.step_k = max(0, min(k, cap))
         proposals = self._propose([s for s in batch if step_k[s.seq_id] > 0], step_k, times)
         props = [proposals.get(s.seq_id, Proposal([])) for s in batch]
-        inputs = [[s.token_ids[-1]] + p.tokens for s, p in zip(batch, props)]
+        inputs = [[s.last_token] + p.tokens for s, p in zip(batch, props)]
         t0 = time.perf_counter()
         logits, rows = self.runner.step([s.seq_id for s in batch], inputs)  # [B, 1 + max k, vocab]
         # on a GPU the pass is queued, not done: the response formats' masks are built meanwhile
         masks = self._grammar_masks(batch, props)
         results = verify_batch(logits, [
-            RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, len(s.token_ids), len(s.output_ids), self._banned(s),
+            RowToVerify(row, p.tokens, p.probs, s.sampling, s.seed, s.length, len(s.output_ids), self._banned(s),
                         *((s.prompt_ids, s.output_ids) if s.sampling.penalised else (None, None)), mask)
             for s, p, row, mask in zip(batch, props, rows, masks)])
         times.target = time.perf_counter() - t0  # the pass and its verification: one host read ends both
@@ -336,7 +345,7 @@ class SpecEngine:
         times.tokens_in_pass = len(batch) * max(len(x) for x in inputs)  # rows x widest input: what the pass computed
         updates = []
         for seq, proposal, result in zip(batch, props, results):
-            before = len(seq.token_ids) - 1  # cached length before this step's inputs
+            before = seq.length - 1  # cached length before this step's inputs
             self.runner.truncate(seq.seq_id, before + 1 + result.num_accepted)
             if proposal.tokens and self.proposer is not None:
                 self.proposer.observe(seq.seq_id, result.num_accepted)

@@ -72,15 +72,20 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
     # take the one-row path
     greedy = [i for i, r in enumerate(rows) if r.sampling.greedy and not _adjusted(r)]
     if greedy:
-        which = to_device([rows[i].row for i in greedy], device)
-        choice = logits.index_select(0, which)[:, :T].argmax(dim=-1)  # [g, T]
-        proposals = torch.full((len(greedy), max(T - 1, 1)), -1, dtype=torch.long)  # [g, T-1], -1 matches nothing
-        for j, i in enumerate(greedy):
-            props = rows[i].proposals
-            proposals[j, :len(props)] = torch.tensor(props, dtype=torch.long)
-        match = choice[:, :T - 1] == to_device(proposals[:, :T - 1], device)  # [g, T-1]
-        accepted = match.long().cumprod(dim=1).sum(dim=1)  # [g]
-        out[to_device(greedy, device)] = torch.cat([choice, accepted.unsqueeze(1)], dim=1)
+        every = len(greedy) == len(rows) and all(r.row == i for i, r in enumerate(rows))
+        # [g, T]: the target's choice at every fed position (rows 0..n-1 in order: a slice, no gather)
+        choice = (logits[:len(rows), :T] if every else
+                  logits.index_select(0, to_device([rows[i].row for i in greedy], device))[:, :T]).argmax(dim=-1)
+        if T > 1:  # -1 pads the shorter rows' proposals: it matches nothing
+            padded = [rows[i].proposals + [-1] * (T - 1 - len(rows[i].proposals)) for i in greedy]
+            match = choice[:, :T - 1] == to_device(padded, device)  # [g, T-1]
+            result = torch.cat([choice, match.long().cumprod(dim=1).sum(dim=1, keepdim=True)], dim=1)  # [g, T+1]
+        else:  # a plain step: one token each, nothing accepted
+            result = torch.cat([choice, torch.zeros_like(choice)], dim=1)  # [g, 2]
+        if every:
+            out = result
+        else:
+            out[to_device(greedy, device)] = result
     for i, r in enumerate(rows):
         if not r.sampling.greedy or _adjusted(r):
             history = (r.prompt or [], r.output or [], r.proposals) if r.sampling.penalised else None
