@@ -356,8 +356,11 @@ def main() -> None:
     # outputs under speculation equal plain greedy's (same prompt, same tokens)
     draft_handle.set_references.remote(references, 0.7).result()
     mismatched = [p for p in prompts[:8] if complete(port, p, args.max_tokens, False, "on", 4).tokens != outputs[p]]
+    # the step costs the replicas measured at start-up (ms per target pass and per draft step)
+    start_profile = target_handle.policy_state.remote().result()["start_profile"]
+    print("start-up profile:", json.dumps(start_profile), flush=True)
     res.update(plain=rows, speculative=spec_rows, spec_outputs_identical=not mismatched,
-               wall_s=time.perf_counter() - t_start)
+               start_profile=start_profile, wall_s=time.perf_counter() - t_start)
     if "in_process_plain_tok_s" in res:
         base = res["in_process_plain_tok_s"]
         res["served_plain_1_over_in_process"] = plain[(1, False)] / base
