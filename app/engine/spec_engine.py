@@ -28,6 +28,7 @@ from typing import Callable, Literal
 
 import torch
 
+from app.engine import ahead
 from app.engine.acceptance import AcceptanceStats
 from app.config import EngineLimits
 from app.protocol.sampling_params import SamplingParams
@@ -145,6 +146,7 @@ class SpecEngine:
         self.max_k = max_k
         self.plan_k = plan_k
         self.prefill_chunk = prefill_chunk
+        self._ahead: ahead.AheadPass | None = None  # a plain greedy pass launched before the last step's host work
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admitted: prefilling or decoding, each with a cache row
         self.stats = AcceptanceStats()
@@ -270,7 +272,7 @@ class SpecEngine:
         # Decoding sequences step first; prompts are prefilled after, and join the next step.
         batch = [s for s in self.running.values() if not s.prefilling]
         if batch:
-            updates += self._decode_step(batch, times)
+            updates += self._ahead_step(batch, times) if self._ahead is not None else self._decode_step(batch, times)
         t1 = time.perf_counter()
         times.overhead = max(0.0, t1 - t0 - times.draft - times.target)
         while self.waiting and self._fits(self.waiting[0].reserved_tokens()):
@@ -343,15 +345,46 @@ class SpecEngine:
         times.target = time.perf_counter() - t0  # the pass and its verification: one host read ends both
         times.batch_size = len(batch)
         times.tokens_in_pass = len(batch) * max(len(x) for x in inputs)  # rows x widest input: what the pass computed
-        updates = []
         for seq, proposal, result in zip(batch, props, results):
             before = seq.length - 1  # cached length before this step's inputs
             self.runner.truncate(seq.seq_id, before + 1 + result.num_accepted)
             if proposal.tokens and self.proposer is not None:
                 self.proposer.observe(seq.seq_id, result.num_accepted)
-            updates.append(self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted,
-                                      logprobs=result.logprobs))
-        return updates
+        if all(len(r.tokens) == 1 and not p.tokens for r, p in zip(results, props)):  # a plain step
+            self._launch_ahead([(seq, r.tokens[0]) for seq, r in zip(batch, results)])
+        return [self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted,
+                           logprobs=result.logprobs) for seq, proposal, result in zip(batch, props, results)]
+
+    def _ahead_step(self, batch: list[Sequence], times: StepTimes) -> list[SeqUpdate]:
+        """A step whose pass was launched by the step before (app/engine/ahead.py): read its tokens,
+        launch the next pass, then emit. Sequences that joined since the launch wait for the next one."""
+        pending, self._ahead = self._ahead, None
+        t0 = time.perf_counter()
+        got = pending.tokens()
+        times.target = time.perf_counter() - t0  # what the host waited for the pass
+        stepped = [s for s in batch if s.seq_id in got]
+        joined = [s for s in batch if s.seq_id not in got]
+        times.batch_size = times.tokens_in_pass = len(stepped)
+        for seq in stepped:
+            seq.step_k = 0
+        self._launch_ahead([(s, got[s.seq_id]) for s in stepped] + [(s, s.last_token) for s in joined])
+        return [self._emit(s, [got[s.seq_id]], drafted=0, accepted=0) for s in stepped]
+
+    def _launch_ahead(self, feeds: list[tuple[Sequence, int]]) -> None:
+        """Launch the next pass now when it is a plain greedy one for every decoding sequence: each fed
+        its newest token (`feeds`: every decoding sequence with it), except those that token ends."""
+        go: list[tuple[str, int]] = []
+        for seq, token in feeds:
+            sp = seq.sampling
+            if ((token in self.runner.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids
+                    or seq.remaining <= 1):
+                continue  # this token ends the sequence
+            if (seq.k or not sp.greedy or sp.adjusts_logits or seq.grammar is not None or sp.logprobs is not None
+                    or self.runner.length(seq.seq_id) + 1 > self.runner.max_context):
+                return  # the next step may speculate, sample, mask or overflow: it runs as usual
+            go.append((seq.seq_id, token))
+        if go:
+            self._ahead = ahead.launch(self.runner, go)
 
     def _grammar_masks(self, batch: list[Sequence], props: list[Proposal]) -> list[torch.Tensor | None]:
         """Per sequence with a response format: its masks `[allowed + 1, words]` for the positions

@@ -1,0 +1,56 @@
+"""Plain greedy steps launched one step ahead: the GPU runs step N+1 while the host emits step N.
+
+A served step ends with a host read (the tokens must be streamed and checked for stops), so without
+this the GPU idles for the host's whole share of every step: emitting, detokenizing, stop checks,
+the replica's metrics and handing tokens to the streams (~0.5 ms at one sequence, several ms at
+32). When every sequence of the batch decodes plainly and greedily, the next step's inputs are
+known as soon as this step's tokens are read, before any of that host work: the engine launches the
+next pass right then and does the host work while it runs (vLLM's and SGLang's "overlap
+scheduling", for the plain greedy case).
+
+The pass is launched for the sequences that can continue by what is cheap to check (not EOS, not a
+stop token, room under max_tokens and the context); one that a stop string ends while the pass runs
+only wastes its row. Sequences that joined meanwhile (their prompt prefilled) wait for the launch
+after. Each sequence's cache then holds its whole output, the token of the launched pass included,
+as the step protocol expects after that pass (all but the last token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.runners.model_runner import ModelRunner
+from app.runners.transfer import to_device
+
+
+@dataclass
+class AheadPass:
+    """A launched plain greedy pass: each sequence's next token, on its way to the host."""
+
+    seq_ids: list[str]
+    host: torch.Tensor  # [n] long: the argmax per sequence (pinned on CUDA, filled when `done` fires)
+    done: torch.cuda.Event | None  # None on the CPU, where the pass ran synchronously
+
+    def tokens(self) -> dict[str, int]:
+        """Wait for the pass (only it: later work on the stream is not waited for) -> token per sequence."""
+        if self.done is not None:
+            self.done.synchronize()
+        return dict(zip(self.seq_ids, self.host.tolist()))
+
+
+def launch(runner: ModelRunner, feeds: list[tuple[str, int]]) -> AheadPass:
+    """Feed each sequence its last token in one pass and queue its argmax's copy to the host."""
+    seq_ids = [s for s, _ in feeds]
+    logits, rows = runner.step(seq_ids, [[t] for _, t in feeds])  # [B, 1, vocab]
+    # rows in order (the usual case): a slice; else a gather by an index copied without a sync
+    in_order = rows == list(range(len(rows)))
+    choice = (logits[:len(rows), 0] if in_order else logits[to_device(rows, logits.device), 0]).argmax(-1)  # [n]
+    if logits.device.type != "cuda":
+        return AheadPass(seq_ids, choice, None)
+    host = torch.empty(len(seq_ids), dtype=torch.long, pin_memory=True)
+    host.copy_(choice, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return AheadPass(seq_ids, host, done)
