@@ -1,12 +1,13 @@
-"""Plain greedy steps launched one step ahead: the GPU runs step N+1 while the host emits step N.
+"""Plain steps launched one step ahead: the GPU runs step N+1 while the host emits step N.
 
 A served step ends with a host read (the tokens must be streamed and checked for stops), so without
 this the GPU idles for the host's whole share of every step: emitting, detokenizing, stop checks,
 the replica's metrics and handing tokens to the streams (~0.5 ms at one sequence, several ms at
-32). When every sequence of the batch decodes plainly and greedily, the next step's inputs are
-known as soon as this step's tokens are read, before any of that host work: the engine launches the
-next pass right then and does the host work while it runs (vLLM's and SGLang's "overlap
-scheduling", for the plain greedy case).
+32). When every sequence of the batch decodes plainly (greedy or sampled, without logit
+adjustments), the next step's inputs are known as soon as this step's tokens are read, before any
+of that host work: the engine launches the next pass right then and does the host work while it
+runs (vLLM's and SGLang's "overlap scheduling", for plain decoding). A sampled token is drawn on the device from its (seed, position)
+uniform, as verification draws it, so the output does not depend on whether a step ran ahead.
 
 The pass is launched for the sequences that can continue by what is cheap to check (not EOS, not a
 stop token, room under max_tokens and the context); one that a stop string ends while the pass runs
@@ -21,8 +22,21 @@ from dataclasses import dataclass
 
 import torch
 
+from app.protocol.sampling_params import SamplingParams
 from app.runners.model_runner import ModelRunner
 from app.runners.transfer import to_device
+from app.spec.sampling import sample_token
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One sequence of a pass launched ahead: the token it is fed, and how its next token is chosen."""
+
+    seq_id: str
+    token: int
+    sampling: SamplingParams
+    seed: int
+    position: int  # the absolute position of the token this pass chooses (its (seed, position) draw)
 
 
 @dataclass
@@ -40,13 +54,19 @@ class AheadPass:
         return dict(zip(self.seq_ids, self.host.tolist()))
 
 
-def launch(runner: ModelRunner, feeds: list[tuple[str, int]]) -> AheadPass:
-    """Feed each sequence its last token in one pass and queue its argmax's copy to the host."""
-    seq_ids = [s for s, _ in feeds]
-    logits, rows = runner.step(seq_ids, [[t] for _, t in feeds])  # [B, 1, vocab]
+def launch(runner: ModelRunner, feeds: list[Feed]) -> AheadPass:
+    """Feed each sequence its token in one pass, choose each next token on the device (the argmax, or
+    the (seed, position) draw of a sampled sequence, as verification chooses a plain row's token), and
+    queue the choices' copy to the host."""
+    seq_ids = [f.seq_id for f in feeds]
+    logits, rows = runner.step(seq_ids, [[f.token] for f in feeds])  # [B, 1, vocab]
     # rows in order (the usual case): a slice; else a gather by an index copied without a sync
     in_order = rows == list(range(len(rows)))
-    choice = (logits[:len(rows), 0] if in_order else logits[to_device(rows, logits.device), 0]).argmax(-1)  # [n]
+    step_logits = logits[:len(rows), 0] if in_order else logits[to_device(rows, logits.device), 0]  # [n, vocab]
+    choice = step_logits.argmax(-1)  # [n]
+    for i, f in enumerate(feeds):
+        if not f.sampling.greedy:  # a few kernels per sampled row, still no host read
+            choice[i] = sample_token(step_logits[i], f.sampling, f.seed, f.position)
     if logits.device.type != "cuda":
         return AheadPass(seq_ids, choice, None)
     host = torch.empty(len(seq_ids), dtype=torch.long, pin_memory=True)

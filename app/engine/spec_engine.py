@@ -136,6 +136,7 @@ class SpecEngine:
         max_k: int = 8,
         plan_k: StepPlanner | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        launch_ahead: bool = True,
     ) -> None:
         if runner.max_seqs < limits.max_num_seqs:
             raise ValueError(f"the runner has {runner.max_seqs} cache rows but limits.max_num_seqs is "
@@ -146,7 +147,10 @@ class SpecEngine:
         self.max_k = max_k
         self.plan_k = plan_k
         self.prefill_chunk = prefill_chunk
-        self._ahead: ahead.AheadPass | None = None  # a plain greedy pass launched before the last step's host work
+        # plain passes launched before the last step's host work (app/engine/ahead.py); False: every step
+        # waits for the one before (the A/B baseline of benchmarks and tests)
+        self.launch_ahead = launch_ahead
+        self._ahead: ahead.AheadPass | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admitted: prefilling or decoding, each with a cache row
         self.stats = AcceptanceStats()
@@ -351,7 +355,7 @@ class SpecEngine:
             if proposal.tokens and self.proposer is not None:
                 self.proposer.observe(seq.seq_id, result.num_accepted)
         if all(len(r.tokens) == 1 and not p.tokens for r, p in zip(results, props)):  # a plain step
-            self._launch_ahead([(seq, r.tokens[0]) for seq, r in zip(batch, results)])
+            self._launch_ahead([(seq, r.tokens[0], seq.length + 1) for seq, r in zip(batch, results)])
         return [self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted,
                            logprobs=result.logprobs) for seq, proposal, result in zip(batch, props, results)]
 
@@ -367,22 +371,26 @@ class SpecEngine:
         times.batch_size = times.tokens_in_pass = len(stepped)
         for seq in stepped:
             seq.step_k = 0
-        self._launch_ahead([(s, got[s.seq_id]) for s in stepped] + [(s, s.last_token) for s in joined])
+        # the stepped sequences' tokens are not in their outputs yet: the next choice lands one further
+        self._launch_ahead([(s, got[s.seq_id], s.length + 1) for s in stepped] + [(s, s.last_token, s.length) for s in joined])
         return [self._emit(s, [got[s.seq_id]], drafted=0, accepted=0) for s in stepped]
 
-    def _launch_ahead(self, feeds: list[tuple[Sequence, int]]) -> None:
-        """Launch the next pass now when it is a plain greedy one for every decoding sequence: each fed
-        its newest token (`feeds`: every decoding sequence with it), except those that token ends."""
-        go: list[tuple[str, int]] = []
-        for seq, token in feeds:
+    def _launch_ahead(self, feeds: list[tuple[Sequence, int, int]]) -> None:
+        """Launch the next pass now when it is a plain one for every decoding sequence (`feeds`: each
+        with the token it is fed and the position of the token the pass chooses), except those that
+        their fed token ends."""
+        if not self.launch_ahead:
+            return
+        go: list[ahead.Feed] = []
+        for seq, token, position in feeds:
             sp = seq.sampling
             if ((token in self.runner.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids
                     or seq.remaining <= 1):
                 continue  # this token ends the sequence
-            if (seq.k or not sp.greedy or sp.adjusts_logits or seq.grammar is not None or sp.logprobs is not None
+            if (seq.k or sp.adjusts_logits or seq.grammar is not None or sp.logprobs is not None
                     or self.runner.length(seq.seq_id) + 1 > self.runner.max_context):
-                return  # the next step may speculate, sample, mask or overflow: it runs as usual
-            go.append((seq.seq_id, token))
+                return  # the next step may speculate, adjust logits, mask or overflow: it runs as usual
+            go.append(ahead.Feed(seq.seq_id, token, sp, seq.seed, position))
         if go:
             self._ahead = ahead.launch(self.runner, go)
 

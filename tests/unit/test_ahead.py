@@ -1,7 +1,7 @@
-"""Plain greedy steps launched one step ahead (app/engine/ahead.py): sequences joining, finishing,
-stopping on text and being aborted while a pass is in flight each produce what they produce alone,
-a speculating newcomer turns the overlap off until the batch is plain again, and every cache is
-freed at the end."""
+"""Plain steps launched one step ahead (app/engine/ahead.py): sequences joining, finishing, stopping
+on text and being aborted while a pass is in flight each produce what they produce alone, sampled
+sequences draw what they draw when every step waits for the one before, a speculating newcomer
+turns the overlap off until the batch is plain again, and every cache is freed at the end."""
 
 from __future__ import annotations
 
@@ -90,3 +90,29 @@ def test_a_speculating_newcomer_runs_the_batch_as_usual_until_it_leaves(
     for sid, prompt, n in (("plain", PLAIN[0][0], 30), ("spec", PLAIN[2][0], 8)):
         check_against_reference(plain_greedy(encode(prompt), n), out[sid]["tokens"], out[sid]["finish"], sid)
     assert engine.cached_tokens() == 0 and proposer.num_cached_sequences() == 0
+
+
+def test_sampled_and_greedy_sequences_draw_the_same_with_and_without_launching_ahead(target_runner, encode, drive):
+    requests = [  # (prompt, sampling): seeded draws at several settings beside greedy ones, staggered
+        (PLAIN[0][0], SamplingParams(max_tokens=24, temperature=0.8, seed=7)),
+        (PLAIN[1][0], SamplingParams(max_tokens=12)),
+        (PLAIN[2][0], SamplingParams(max_tokens=18, temperature=1.0, top_p=0.9, seed=11)),
+        (PLAIN[3][0], SamplingParams(max_tokens=20, temperature=0.7, top_k=20, seed=3)),
+    ]
+
+    def run(launch_ahead: bool) -> tuple[dict, int]:
+        engine = SpecEngine(target_runner, None, launch_ahead=launch_ahead)
+        out: dict = {}
+        ahead = 0
+        for i, (prompt, sampling) in enumerate(requests):
+            engine.add(f"r{i}", encode(prompt), sampling, k=0)
+            ahead += _ahead_steps(engine, out, drive, 3)
+        ahead += _ahead_steps(engine, out, drive)
+        assert engine.cached_tokens() == 0
+        return {sid: r["tokens"] for sid, r in out.items()}, ahead
+
+    overlapped, ahead = run(True)
+    waited, none = run(False)
+    assert ahead >= 15 and none == 0
+    assert overlapped == waited
+    assert all(len(overlapped[f"r{i}"]) == s.max_tokens for i, (_, s) in enumerate(requests))
