@@ -159,17 +159,24 @@ async def stream_updates(queue: asyncio.Queue, timeout_s: float):
 async def stream_batches(queue: asyncio.Queue, timeout_s: float, min_gap_s: Callable[[], float] = lambda: 0.0):
     """stream_updates, coalesced: each item is a list of every update waiting at that moment (one
     while the consumer keeps up); the last list ends with the finishing update. Items come at least
-    min_gap_s() apart: an update that arrives sooner waits for the steps after it (the first and the
-    finishing update never wait)."""
+    min_gap_s() apart: an update that arrives sooner waits, gathering the steps after it, until the
+    gap has passed or the finishing update arrives (the first and the last item never wait)."""
     last_yield = -float("inf")
     async for update in stream_updates(queue, timeout_s):
-        if update.finish_reason is None:
-            wait = last_yield + min_gap_s() - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
         batch = [update]
-        while batch[-1].finish_reason is None and not queue.empty():
-            item = queue.get_nowait()
+        due = last_yield + min_gap_s()
+        while batch[-1].finish_reason is None:
+            if queue.empty():
+                remaining = due - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    async with asyncio.timeout(remaining):
+                        item = await queue.get()
+                except TimeoutError:
+                    break
+            else:
+                item = queue.get_nowait()
             if isinstance(item, Exception):
                 raise item
             batch.append(item)

@@ -6,6 +6,7 @@ generating to max_tokens on the replica: the leak the cancellation serve test ca
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -131,3 +132,30 @@ def test_an_update_sooner_than_the_gap_waits_for_the_steps_after_it(gap: float, 
         return batches
 
     assert asyncio.run(run()) == expected
+
+
+def test_the_finishing_update_is_not_held_back_by_the_gap() -> None:
+    from app.engine.loop import stream_batches
+
+    async def run() -> tuple[list[list[int]], float]:
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(update(1))
+        t0 = 0.0
+
+        async def finish() -> None:
+            await asyncio.sleep(0.02)
+            queue.put_nowait(update(3, "stop"))
+
+        batches: list[list[int]] = []
+        async for batch in stream_batches(queue, 5.0, lambda: 30.0):  # a gap no test would wait out
+            batches.append([x for u in batch for x in u.token_ids])
+            if len(batches) == 1:
+                queue.put_nowait(update(2))
+                task = asyncio.create_task(finish())
+                t0 = time.monotonic()
+        await task
+        return batches, time.monotonic() - t0
+
+    batches, waited = asyncio.run(run())
+    assert batches == [[1], [2, 3]]
+    assert waited < 10.0, "the finishing update waited for the gap"
