@@ -6,8 +6,9 @@ the replica's metrics and handing tokens to the streams (~0.5 ms at one sequence
 32). When every sequence of the batch decodes plainly (greedy or sampled, without logit
 adjustments), the next step's inputs are known as soon as this step's tokens are read, before any
 of that host work: the engine launches the next pass right then and does the host work while it
-runs (vLLM's and SGLang's "overlap scheduling", for plain decoding). A sampled token is drawn on the device from its (seed, position)
-uniform, as verification draws it, so the output does not depend on whether a step ran ahead.
+runs (vLLM's and SGLang's "overlap scheduling", for plain decoding). A sampled token is drawn on the
+device from its (seed, position) uniform, as verification draws it, so the output does not depend on
+whether a step ran ahead.
 
 The pass is launched for the sequences that can continue by what is cheap to check (not EOS, not a
 stop token, room under max_tokens and the context); one that a stop string ends while the pass runs
@@ -41,10 +42,10 @@ class Feed:
 
 @dataclass
 class AheadPass:
-    """A launched plain greedy pass: each sequence's next token, on its way to the host."""
+    """A launched plain pass: each sequence's next token, on its way to the host."""
 
     seq_ids: list[str]
-    host: torch.Tensor  # [n] long: the argmax per sequence (pinned on CUDA, filled when `done` fires)
+    host: torch.Tensor  # [n] long: the token chosen per sequence (pinned on CUDA, filled when `done` fires)
     done: torch.cuda.Event | None  # None on the CPU, where the pass ran synchronously
 
     def tokens(self) -> dict[str, int]:

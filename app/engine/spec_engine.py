@@ -372,7 +372,8 @@ class SpecEngine:
         for seq in stepped:
             seq.step_k = 0
         # the stepped sequences' tokens are not in their outputs yet: the next choice lands one further
-        self._launch_ahead([(s, got[s.seq_id], s.length + 1) for s in stepped] + [(s, s.last_token, s.length) for s in joined])
+        self._launch_ahead([(s, got[s.seq_id], s.length + 1) for s in stepped]
+                           + [(s, s.last_token, s.length) for s in joined])
         return [self._emit(s, [got[s.seq_id]], drafted=0, accepted=0) for s in stepped]
 
     def _launch_ahead(self, feeds: list[tuple[Sequence, int, int]]) -> None:
