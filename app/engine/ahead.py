@@ -25,7 +25,7 @@ import torch
 
 from app.protocol.sampling_params import SamplingParams
 from app.runners.model_runner import ModelRunner
-from app.runners.transfer import to_device
+from app.runners.transfer import take_rows
 from app.spec.sampling import sample_token
 
 
@@ -61,9 +61,7 @@ def launch(runner: ModelRunner, feeds: list[Feed]) -> AheadPass:
     queue the choices' copy to the host."""
     seq_ids = [f.seq_id for f in feeds]
     logits, rows = runner.step(seq_ids, [[f.token] for f in feeds])  # [B, 1, vocab]
-    # rows in order (the usual case): a slice; else a gather by an index copied without a sync
-    in_order = rows == list(range(len(rows)))
-    step_logits = logits[:len(rows), 0] if in_order else logits[to_device(rows, logits.device), 0]  # [n, vocab]
+    step_logits = take_rows(logits, rows)[:, 0]  # [n, vocab]
     choice = step_logits.argmax(-1)  # [n]
     for i, f in enumerate(feeds):
         if not f.sampling.greedy:  # a few kernels per sampled row, still no host read

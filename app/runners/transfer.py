@@ -26,3 +26,11 @@ def copy_to(dst: torch.Tensor, values: np.ndarray | torch.Tensor) -> None:
     """dst.copy_(values) from the host without a synchronisation."""
     src = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
     dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
+
+
+def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """t[rows] along the first dimension: a slice when rows are 0..n-1 in order (a step's usual
+    batch), else a gather whose index reaches the device without a synchronisation."""
+    if list(rows) == list(range(len(rows))):
+        return t[:len(rows)]
+    return t.index_select(0, to_device(rows, t.device))

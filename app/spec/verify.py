@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from app.protocol.sampling_params import SamplingParams
-from app.runners.transfer import to_device
+from app.runners.transfer import take_rows, to_device
 from app.spec.grammar import apply_mask
 from app.spec.sampling import adjust_logits, inverse_cdf, processed_probs, uniforms
 
@@ -67,24 +67,23 @@ def verify_batch(logits: torch.Tensor, rows: list[RowToVerify]) -> list[Verified
         return []
     device = logits.device
     T = max(len(r.proposals) for r in rows) + 1  # the widest row's outputs
-    out = torch.zeros((len(rows), T + 1), dtype=torch.long, device=device)  # [n, T tokens + accepted]
     # rows whose logits the request adjusts (logit_bias, min_tokens, penalties, a response format)
     # take the one-row path
     greedy = [i for i, r in enumerate(rows) if r.sampling.greedy and not _adjusted(r)]
+    out: torch.Tensor | None = None  # [n, T tokens + accepted]
     if greedy:
-        every = len(greedy) == len(rows) and all(r.row == i for i, r in enumerate(rows))
-        # [g, T]: the target's choice at every fed position (rows 0..n-1 in order: a slice, no gather)
-        choice = (logits[:len(rows), :T] if every else
-                  logits.index_select(0, to_device([rows[i].row for i in greedy], device))[:, :T]).argmax(dim=-1)
+        choice = take_rows(logits, [rows[i].row for i in greedy])[:, :T].argmax(dim=-1)  # [g, T]
         if T > 1:  # -1 pads the shorter rows' proposals: it matches nothing
             padded = [rows[i].proposals + [-1] * (T - 1 - len(rows[i].proposals)) for i in greedy]
             match = choice[:, :T - 1] == to_device(padded, device)  # [g, T-1]
             result = torch.cat([choice, match.long().cumprod(dim=1).sum(dim=1, keepdim=True)], dim=1)  # [g, T+1]
         else:  # a plain step: one token each, nothing accepted
             result = torch.cat([choice, torch.zeros_like(choice)], dim=1)  # [g, 2]
-        if every:
+        if len(greedy) == len(rows):
             out = result
-        else:
+    if out is None:
+        out = torch.zeros((len(rows), T + 1), dtype=torch.long, device=device)
+        if greedy:
             out[to_device(greedy, device)] = result
     for i, r in enumerate(rows):
         if not r.sampling.greedy or _adjusted(r):
