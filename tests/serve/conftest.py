@@ -12,7 +12,7 @@ app is deleted before any other shape is deployed under the same name and route.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
 import httpx
@@ -44,19 +44,17 @@ class _SharedApp:
     """The default application, deployed once and kept until another shape needs its route."""
 
     def __init__(self) -> None:
-        self._block: Any = None
+        self._stack = ExitStack()  # holds the open deployed() block
         self.base: str | None = None
 
     def url(self, port: int) -> str:
         if self.base is None:
-            self._block = deployed(port)
-            self.base = self._block.__enter__()
+            self.base = self._stack.enter_context(deployed(port))
         return self.base
 
     def close(self) -> None:
-        if self._block is not None:
-            block, self._block, self.base = self._block, None, None
-            block.__exit__(None, None, None)
+        self.base = None
+        self._stack.close()
 
 
 _shared = _SharedApp()
