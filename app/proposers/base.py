@@ -20,6 +20,10 @@ class ProposalRequest:
     sampling: SamplingParams
     seed: int  # the request's resolved seed (per-position randomness derives from it)
     prompt_len: int = 0  # token_ids[prompt_len:] is the output: what a response format constrains
+    # a benchmark's controlled acceptance (app/proposers/oracle.py): propose these tokens (up to k);
+    # a proposer that runs a model still runs it and feeds them back instead of its own choice, so
+    # its cost and its cache are those of a draft whose proposals these were
+    forced: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

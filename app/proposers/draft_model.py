@@ -41,7 +41,6 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.fed: OrderedDict[str, list[int]] = OrderedDict()  # per sequence: the tokens its cache holds, LRU order
         self.cache_misses = 0  # sequences rebuilt from scratch (new, evicted or replica restarted)
-        self._prefilled = 0  # tokens the current step's catch-ups prefilled
         self._grammars = LazyGrammars(runner.tokenizer, runner.vocab_size, runner.eos_ids, MAX_SPECULATIVE_TOKENS)
         self._grammar_states: dict[str, tuple[GrammarState, int]] = {}  # seq -> (matcher, output tokens it followed)
 
@@ -54,18 +53,26 @@ class DraftModelProposer(Proposer):
             return [Proposal([]) for _ in requests]
         t0 = time.perf_counter()
         ids = [requests[i].seq_id for i in active]
-        self._prefilled = 0
-        feeds = [self._catch_up(requests[i], keep=set(ids)) for i in active]  # each 1 or 2 tokens
+        keep = set(ids)
+        feeds, behind = [], []  # each row's last 1 or 2 tokens; (row, tokens it has not fed) to prefill first
+        for i in active:
+            feed, missing = self._catch_up(requests[i], keep)
+            feeds.append(feed)
+            if missing:
+                behind.append((requests[i].seq_id, missing))
+        prefilled = sum(len(m) for _, m in behind)
+        if behind:  # one pass for every row behind (per 8 rows where graphs are captured)
+            self.runner.extend([s for s, _ in behind], [m for _, m in behind])
         device = self.runner.device
         depth = max(ks[i] for i in active)
         grammars = [self._grammar(requests[i]) for i in active]
         if all(requests[i].sampling.greedy for i in active) and not any(grammars):
             # the whole step as one graph, one host read
             t1 = time.perf_counter()
-            chains = self.runner.draft_chain(ids, feeds, depth).tolist()  # [n, depth]
+            chains = self.runner.draft_chain(ids, feeds, depth, [requests[i].forced for i in active]).tolist()
             # the first pass's share: the catch-up prefills and one of the chain's depth passes
             t2 = time.perf_counter()
-            self.last_first_pass = FirstPass(self._prefilled + sum(len(f) for f in feeds), len(active),
+            self.last_first_pass = FirstPass(prefilled + sum(len(f) for f in feeds), len(active),
                                              (t1 - t0) + (t2 - t1) / depth)
             return self._finish(requests, ks, active, chains, [[] for _ in active])
         logits, rows = self.runner.step(ids, feeds)  # [B, W, vocab]
@@ -74,7 +81,7 @@ class DraftModelProposer(Proposer):
         step_logits = logits[rows_t, last]  # [n, vocab]
         # what the first proposal cost: the catch-up prefills and the first pass (timed on the CPU, where
         # the calls are synchronous; on CUDA the step's one host read is at the end)
-        self.last_first_pass = FirstPass(self._prefilled + sum(len(f) for f in feeds), len(active), 0.0)
+        self.last_first_pass = FirstPass(prefilled + sum(len(f) for f in feeds), len(active), 0.0)
         drafted: list[torch.Tensor] = []  # per step [n]
         followed = [0] * len(active)  # proposals each row's grammar matcher has followed this step
         probs: list[list[torch.Tensor]] = [[] for _ in active]
@@ -82,7 +89,11 @@ class DraftModelProposer(Proposer):
             if step:
                 logits, _ = self.runner.step_tokens(ids, drafted[-1])  # [B, 1, vocab]
                 step_logits = logits[rows_t, 0]
-            drafted.append(self._choose(step_logits, [requests[i] for i in active], step, probs, grammars, followed))
+            tokens = self._choose(step_logits, [requests[i] for i in active], step, probs, grammars, followed)
+            for j, i in enumerate(active):  # fed back as the chain feeds them (model_runner.draft_chain)
+                if step < len(requests[i].forced):
+                    tokens[j] = requests[i].forced[step]
+            drafted.append(tokens)
             if step == 0 and device.type != "cuda":
                 self.last_first_pass = FirstPass(self.last_first_pass.tokens, len(active), time.perf_counter() - t0)
         ends = [depth] * len(active)  # a row whose grammar ended (its stop token proposed) proposes no further
@@ -107,8 +118,10 @@ class DraftModelProposer(Proposer):
             out[i] = Proposal(proposals[j][:n], torch.stack(probs[j][:n]) if probs[j] else None)
         return out
 
-    def _catch_up(self, r: ProposalRequest, keep: set[str]) -> list[int]:
-        """Bring the sequence's cache to all but its last one or two tokens; return those to feed."""
+    def _catch_up(self, r: ProposalRequest, keep: set[str]) -> tuple[list[int], list[int]]:
+        """Roll the sequence's cache back to the longest prefix of its truth it holds; return the
+        last one or two tokens to feed and the tokens before them it has not fed (a catch-up to
+        prefill first: a new sequence, or one that decoded plainly for a while)."""
         runner, truth = self.runner, r.token_ids
         fed = self.fed.get(r.seq_id)
         if fed is None or r.seq_id not in runner:
@@ -126,12 +139,12 @@ class DraftModelProposer(Proposer):
             held += 1
         held = min(held, len(truth) - 1, runner.length(r.seq_id))  # feed at least one token
         runner.truncate(r.seq_id, held)
-        if len(truth) - held > 2:  # a catch-up prefill of what the draft has not seen
-            runner.prefill(r.seq_id, truth[held:len(truth) - 1])
-            self._prefilled += len(truth) - 1 - held
+        missing: list[int] = []
+        if len(truth) - held > 2:  # what the draft has not seen, but the last token
+            missing = truth[held:len(truth) - 1]
             held = len(truth) - 1
         self.fed[r.seq_id] = list(truth[:held])
-        return list(truth[held:])
+        return list(truth[held:]), missing
 
     def _make_room(self, keep: set[str]) -> None:
         """Evict the least recently used sequences not in this step while every row is taken."""

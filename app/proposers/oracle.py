@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from dataclasses import replace
 
 from app.proposers.base import Proposal, ProposalRequest, Proposer
 from app.spec.sampling import uniform
@@ -94,28 +95,34 @@ class ReferenceProposer(Proposer):
         self.alpha = alpha
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        proposals = self.draft.propose(requests)
-        self.last_first_pass = self.draft.last_first_pass
         if self.alpha is None:
+            proposals = self.draft.propose(requests)
+            self.last_first_pass = self.draft.last_first_pass
             return proposals
-        out = []
-        for r, p in zip(requests, proposals):
-            found = self.references.get(tuple(r.token_ids[:self.KEY_TOKENS]))
-            if found is None or not p.tokens:
-                out.append(p)
-                continue
-            ref, alpha = found
-            # a stable hash of the sequence id (Python's str hash changes per process): the coins of a
-            # sequence are the same in every replica and every run
-            seed = zlib.crc32(r.seq_id.encode())
-            tokens = []
-            for j in range(len(p.tokens)):
-                pos = len(r.token_ids) + j
-                right = ref[pos] if pos < len(ref) else 0
-                coin = uniform(seed, pos, "reference")
-                tokens.append(right if coin < alpha else (right + 1) % self.vocab_size)
-            out.append(Proposal(tokens))
-        return out
+        # the draft runs with the chosen tokens forced: it feeds them back and its cache holds them, so a
+        # step after an acceptance costs what a real draft's does (no catch-up of tokens it never fed)
+        forced = [self._choose(r) for r in requests]
+        proposals = self.draft.propose([replace(r, forced=f) if f else r for r, f in zip(requests, forced)])
+        self.last_first_pass = self.draft.last_first_pass
+        # a draft that does not feed forced tokens back (or drew them from a distribution) still
+        # proposes exactly them
+        return [Proposal(list(f[:len(p.tokens)])) if f and p.tokens else p for p, f in zip(proposals, forced)]
+
+    def _choose(self, r: ProposalRequest) -> tuple[int, ...]:
+        """The sequence's k proposals: at position p, reference[p] with its class's alpha, a wrong
+        token otherwise; () for a prompt without a reference."""
+        found = self.references.get(tuple(r.token_ids[:self.KEY_TOKENS]))
+        if found is None:
+            return ()
+        ref, alpha = found
+        # a stable hash of the sequence id (Python's str hash changes per process): the coins of a
+        # sequence are the same in every replica and every run
+        seed = zlib.crc32(r.seq_id.encode())
+        tokens = []
+        for pos in range(len(r.token_ids), len(r.token_ids) + r.k):
+            right = ref[pos] if pos < len(ref) else 0
+            tokens.append(right if uniform(seed, pos, "reference") < alpha else (right + 1) % self.vocab_size)
+        return tuple(tokens)
 
     def release(self, seq_id: str) -> None:
         self.draft.release(seq_id)

@@ -200,18 +200,28 @@ class ModelRunner:
         return logits, rows
 
     @torch.inference_mode()
-    def draft_chain(self, seq_ids: Sequence[str], feeds: Sequence[Sequence[int]], k: int) -> torch.Tensor:
+    def draft_chain(self, seq_ids: Sequence[str], feeds: Sequence[Sequence[int]], k: int,
+                    forced: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """A greedy draft's whole step: feed each sequence its 1-2 tokens, then k - 1 times feed back its
         argmax, all k passes in one CUDA graph per (batch bucket, k) (on the CPU the same code runs
         eagerly). Returns the k proposals per sequence `[n, k]` on the device; each cache then holds
-        its feeds and the first k - 1 proposals."""
+        its feeds and the first k - 1 proposals.
+
+        `forced[i]` (up to k tokens, a benchmark's controlled acceptance): sequence i proposes these
+        instead of its argmax at the first len(forced[i]) depths and feeds them back, so the passes
+        cost what they cost and the cache holds what was proposed, as a draft's own accepted
+        proposals would be held."""
         n = len(self._ids)
         B = next(b for b in self.buckets if b >= n)
         tokens = np.zeros((B, 2), dtype=np.int64)
         base = np.zeros(B, dtype=np.int64)
         base[:n] = self._lengths  # rows that do not draft write at and past their length: harmless
         fed = np.ones(B, dtype=np.int64)
+        force = np.full((B, k), -1, dtype=np.int64)  # -1: the row's own argmax
         rows = [self._row[s] for s in seq_ids]
+        for i, row in enumerate(rows):
+            if forced is not None and forced[i]:
+                force[row, :len(forced[i])] = forced[i][:k]
         for row, feed in zip(rows, feeds):
             if not 1 <= len(feed) <= 2:
                 raise ValueError(f"a draft chain feeds 1 or 2 tokens per sequence, got {len(feed)}")
@@ -225,30 +235,34 @@ class ModelRunner:
         if entry is None:  # eagerly (CPU), attending only over the cached length
             out = torch.zeros((B, k), dtype=torch.long, device=self.device)
             self._chain(to_device(tokens, self.device), to_device(base, self.device), to_device(fed, self.device),
-                        out, k, kv_len=self._kv_len(int(base.max()) + 2 + k))
+                        to_device(force, self.device), out, k, kv_len=self._kv_len(int(base.max()) + 2 + k))
         else:
-            graph, tok_buf, base_buf, fed_buf, out = entry
+            graph, tok_buf, base_buf, fed_buf, force_buf, out = entry
             copy_to(tok_buf, tokens)
             copy_to(base_buf, base)
             copy_to(fed_buf, fed)
+            copy_to(force_buf, force)
             with torch.cuda.device(self.device):
                 graph.replay()
         for row, feed in zip(rows, feeds):
             self._lengths[row] += len(feed) + k - 1
         return out[to_device(rows, self.device)]  # [n, k]
 
-    def _chain(self, tokens: torch.Tensor, base: torch.Tensor, fed: torch.Tensor, out: torch.Tensor, k: int,
-               kv_len: int | None = None) -> None:
-        """tokens `[B, 2]` (left-aligned feeds), base `[B]` (cached lengths), fed `[B]` (1 or 2) -> out `[B, k]`."""
+    def _chain(self, tokens: torch.Tensor, base: torch.Tensor, fed: torch.Tensor, force: torch.Tensor,
+               out: torch.Tensor, k: int, kv_len: int | None = None) -> None:
+        """tokens `[B, 2]` (left-aligned feeds), base `[B]` (cached lengths), fed `[B]` (1 or 2), force
+        `[B, k]` (a proposal to make instead of the argmax, -1: none) -> out `[B, k]`."""
         B = tokens.shape[0]
         arange = torch.arange(B, device=tokens.device)
         logits = self.model.forward(tokens, base.unsqueeze(1) + torch.arange(2, device=tokens.device), kv_len=kv_len)
         token = logits[arange, fed - 1].argmax(-1)  # [B]: the proposal after each row's last fed token
+        token = torch.where(force[:, 0] >= 0, force[:, 0], token)
         out[:, 0] = token
         position = base + fed  # [B]: where that proposal goes
         for j in range(1, k):
             logits = self.model.forward(token.unsqueeze(1), position.unsqueeze(1), kv_len=kv_len)  # [B, 1, vocab]
             token = logits[:, 0].argmax(-1)
+            token = torch.where(force[:, j] >= 0, force[:, j], token)
             out[:, j] = token
             position = position + 1
 
@@ -258,9 +272,10 @@ class ModelRunner:
         # capture writes near the end of every row's cache (masked for every live sequence)
         base = torch.full((B,), m.max_len - k - 2, dtype=torch.long, device=self.device)
         fed = torch.ones(B, dtype=torch.long, device=self.device)
+        force = torch.full((B, k), -1, dtype=torch.long, device=self.device)
         out = torch.zeros((B, k), dtype=torch.long, device=self.device)
-        graph, _ = capture_graph(self.device, lambda: self._chain(tokens, base, fed, out, k), pool=self._pool)
-        entry = self._chain_graphs[(B, k)] = (graph, tokens, base, fed, out)
+        graph, _ = capture_graph(self.device, lambda: self._chain(tokens, base, fed, force, out, k), pool=self._pool)
+        entry = self._chain_graphs[(B, k)] = (graph, tokens, base, fed, force, out)
         return entry
 
     @torch.inference_mode()
@@ -302,6 +317,16 @@ class ModelRunner:
         """Append chunks[i] to sequence i's cache, all in one pass where a graph fits (newcomers of one
         step prefill together: one read of the weights for all). Returns each chunk's last logits
         `[n, vocab]` on the device."""
+        return self.model._mm(self._prefill_hidden(seq_ids, chunks), self.model.lm_head)
+
+    @torch.inference_mode()
+    def extend(self, seq_ids: Sequence[str], chunks: Sequence[Sequence[int]]) -> None:
+        """prefill_batch() without the logits: a draft catching up on tokens it did not feed needs
+        only their K/V (the lm_head is the largest matrix of a 1B model's pass)."""
+        self._prefill_hidden(seq_ids, chunks)
+
+    def _prefill_hidden(self, seq_ids: Sequence[str], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Write the chunks' K/V; return each chunk's last final-normed hidden state `[n, hidden]`."""
         rows = [self._row[s] for s in seq_ids]
         starts = [self._lengths[r] for r in rows]
         lens = [len(c) for c in chunks]
@@ -309,19 +334,22 @@ class ModelRunner:
             if start + n > self.max_context:
                 raise ContextOverflow(start + n, self.max_context)
         m = self.model
+        most = PREFILL_ROWS[-1]
+        if self._pool is not None and len(rows) > most:  # graphs hold `most` rows: a pass per group
+            return torch.cat([self._prefill_hidden(seq_ids[i:i + most], chunks[i:i + most])
+                              for i in range(0, len(rows), most)])
         bucket = prefill_bucket(max(lens))
         height = next((h for h in PREFILL_ROWS if h >= len(rows)), None)
         if (self._pool is None or height is None or height * bucket > PREFILL_GRAPH_TOKENS
                 or any(start + bucket > m.max_len for start in starts)):
             if len(rows) > 1:  # eagerly, one sequence at a time
-                return torch.cat([self.prefill_batch([s], [c]) for s, c in zip(seq_ids, chunks)])
+                return torch.cat([self._prefill_hidden([s], [c]) for s, c in zip(seq_ids, chunks)])
             start, P = starts[0], lens[0]
             ids = to_device([list(chunks[0])], self.device)
             positions = torch.arange(start, start + P, device=self.device).view(1, -1)
-            logits = m.forward(ids, positions, last_only=True, rows=to_device(rows, self.device),
-                               kv_len=self._kv_len(start + P - 1))[:, -1]  # [1, vocab]
+            hidden = m._hidden(ids, positions, to_device(rows, self.device), self._kv_len(start + P - 1))
             self._lengths[rows[0]] = start + P
-            return logits
+            return hidden[:, -1]  # [1, hidden]
         graph, tok_buf, pos_buf, row_buf, hidden = self._prefill_graph(height, bucket)
         tokens = np.zeros((height, bucket), dtype=np.int64)
         # the pads write past each chunk (harmless); padding sequences write into the scratch row
@@ -336,10 +364,10 @@ class ModelRunner:
         copy_to(row_buf, row_ids)
         with torch.cuda.device(self.device):
             graph.replay()
-        last = hidden[to_device(range(len(rows)), self.device), to_device([n - 1 for n in lens], self.device)]
         for row, start, n in zip(rows, starts, lens):
             self._lengths[row] = start + n
-        return m._mm(last, m.lm_head)  # [n, vocab]
+        # [n, hidden]: a gather, a new tensor (the graph's buffer is overwritten by the next replay)
+        return hidden[to_device(range(len(rows)), self.device), to_device([n - 1 for n in lens], self.device)]
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions `[B, T]` on the host -> logits `[B, T, vocab]` on the device."""

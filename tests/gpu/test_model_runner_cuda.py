@@ -92,3 +92,39 @@ def test_engine_with_a_draft_equals_plain_greedy_on_cuda(checkpoint) -> None:
     # bf16 with a different pass width may flip a near-tie: most sequences must agree exactly
     same = sum(spec[k] == plain[k] for k in plain)
     assert same >= len(plain) - 1, {k: (plain[k][:12], spec[k][:12]) for k in plain}
+
+
+def test_catch_ups_of_many_rows_and_forced_chains_on_graphs(checkpoint) -> None:
+    """extend() of more rows than a prefill graph holds runs a graph per group of rows and writes the
+    K/V an eager prefill writes; a draft chain with forced proposals (the served benchmark's
+    controlled acceptance) proposes them and leaves them in the cache, as an eager prefill of them."""
+    from app.config import ModelSpec
+    from app.runners.model_runner import PREFILL_ROWS, ModelRunner
+
+    def runner(graphs: bool) -> ModelRunner:
+        spec = ModelSpec(path=str(checkpoint), dtype="bfloat16", device="cuda", max_context=256, cuda_graphs=graphs)
+        return ModelRunner(spec, max_seqs=12, widths=(1, 2))
+
+    eager, graphed = runner(False), runner(True)
+    g = torch.Generator().manual_seed(2)
+    n = PREFILL_ROWS[-1] + 3
+    ids = [f"s{i}" for i in range(n)]
+    prompts = [torch.randint(0, 4096, (5 + 3 * i,), generator=g).tolist() for i in range(n)]
+    for r in (eager, graphed):
+        for s in ids:
+            r.add(s)
+    graphed.extend(ids, prompts)
+    for s, p in zip(ids, prompts):
+        eager.prefill(s, p)
+    feeds = [[7] for _ in ids]
+    want, rows_e = eager.step(ids, feeds)
+    got, rows_g = graphed.step(ids, feeds)
+    for i in range(n):
+        assert graphed.length(ids[i]) == eager.length(ids[i])
+        torch.testing.assert_close(got[rows_g[i], 0].float(), want[rows_e[i], 0].float(), atol=0.05, rtol=0.05)
+    forced = [(11, 12, 13)] + [()] * (n - 1)
+    chain = graphed.draft_chain(ids, [[9] for _ in ids], 3, forced).tolist()  # [n, 3]
+    assert chain[0] == [11, 12, 13]
+    eager.prefill("s0", [9, 11, 12])  # what the chain fed s0: its feed and the first k - 1 proposals
+    torch.testing.assert_close(graphed.step(["s0"], [[13]])[0][rows_g[0], 0].float(),
+                               eager.step(["s0"], [[13]])[0][rows_e[0], 0].float(), atol=0.05, rtol=0.05)

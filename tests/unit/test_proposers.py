@@ -106,6 +106,25 @@ def test_draft_reports_its_first_pass_so_catch_ups_are_told_from_draft_steps(dra
     assert client.catch_up_tokens("a", plain) == len(plain) - 2
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.8, max_tokens=32)],
+                         ids=["greedy-chain", "sampled-passes"])
+def test_forced_proposals_are_fed_back_as_the_drafts_own(draft_runner, encode, draft_plain_greedy, sampling):
+    """A controlled-acceptance benchmark forces the draft's proposals: the draft still runs and its
+    cache holds the forced tokens, so the next step after accepting them all feeds only the last
+    proposal and the target's token, as after a real draft's accepted proposals."""
+    proposer = DraftModelProposer(runner=draft_runner)
+    prompt = encode(PROMPTS[2])
+    forced = (11, 12, 13, 14)
+    got = proposer.propose([ProposalRequest("f", prompt, 4, sampling, 0, forced=forced)])[0]
+    assert got.tokens == list(forced)
+    truth = prompt + list(forced) + [42]  # all accepted + the target's own token
+    again = proposer.propose([ProposalRequest("f", truth, 3, GREEDY, 0)])[0]
+    assert (proposer.last_first_pass.tokens, proposer.last_first_pass.sequences) == (2, 1)
+    # what it proposes then is the draft's greedy continuation of the whole truth: the cache held it
+    assert again.tokens == draft_plain_greedy(truth, 3).decisions()
+    proposer.release("f")
+
+
 def test_draft_sampled_proposals_carry_processed_probs(draft_runner, encode):
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=16)
     prompt = encode(PROMPTS[1])

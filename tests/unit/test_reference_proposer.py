@@ -120,10 +120,15 @@ def test_engine_measures_each_class_at_its_alpha(target_runner, draft_runner, en
     for i, p in enumerate(ids):
         engine.add(f"spec-{i}", p, SamplingParams(max_tokens=new_tokens, ignore_eos=True), k=4)
     tracker = _tracker()
+    catch_ups = 0
     while engine.has_work():
         for u in engine.step():
             if u.drafted:
                 tracker.observe(classes[int(u.seq_id.split("-")[1])], u.drafted, u.accepted)
+        catch_ups += proposer.last_first_pass.caught_up
+    # the draft held what it proposed: only its first step (each sequence's whole prompt) caught up,
+    # as for a real draft whose proposals were accepted at these rates
+    assert catch_ups == 1
     for cls, alpha in ALPHAS.items():
         assert tracker.samples(cls) > 150
         assert abs(tracker.alpha(cls) - alpha) < 0.1, (cls, tracker.alpha(cls), tracker.samples(cls))
