@@ -128,3 +128,44 @@ def test_catch_ups_of_many_rows_and_forced_chains_on_graphs(checkpoint) -> None:
     eager.prefill("s0", [9, 11, 12])  # what the chain fed s0: its feed and the first k - 1 proposals
     torch.testing.assert_close(graphed.step(["s0"], [[13]])[0][rows_g[0], 0].float(),
                                eager.step(["s0"], [[13]])[0][rows_e[0], 0].float(), atol=0.05, rtol=0.05)
+
+
+def test_plain_steps_launched_ahead_on_graphs_equal_waiting_steps(checkpoint) -> None:
+    """On CUDA graphs (a pass launched while the host emits the one before, sampled tokens drawn on the
+    device): greedy and seeded sampled sequences, joining at different steps, produce exactly what
+    they produce when every step waits for the one before."""
+    from app.engine.spec_engine import SpecEngine
+    from app.protocol.sampling_params import SamplingParams
+
+    target = _runner(checkpoint, True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (12, 40, 25, 9)]
+    samplings = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=7),
+                 SamplingParams(max_tokens=12, ignore_eos=True),
+                 SamplingParams(max_tokens=25, ignore_eos=True, temperature=1.0, top_p=0.9, seed=11),
+                 SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.7, top_k=20, seed=3)]
+
+    def run(launch_ahead: bool) -> tuple[dict[str, list[int]], int]:
+        from app.config import EngineLimits
+
+        engine = SpecEngine(target, None, EngineLimits(max_num_seqs=8), launch_ahead=launch_ahead)
+        out: dict[str, list[int]] = {}
+        ahead = 0
+        for i, (p, s) in enumerate(zip(prompts, samplings)):
+            engine.add(f"r{i}", p, s, k=0)
+            for _ in range(3):
+                ahead += engine._ahead is not None
+                for u in engine.step():
+                    out.setdefault(u.seq_id, []).extend(u.token_ids)
+        while engine.has_work():
+            ahead += engine._ahead is not None
+            for u in engine.step():
+                out.setdefault(u.seq_id, []).extend(u.token_ids)
+        assert engine.cached_tokens() == 0
+        return out, ahead
+
+    overlapped, ahead = run(True)
+    waited, none = run(False)
+    assert ahead >= 15 and none == 0
+    assert overlapped == waited
+    assert [len(overlapped[f"r{i}"]) for i in range(4)] == [s.max_tokens for s in samplings]
