@@ -51,6 +51,27 @@ class FirstPass:
         return self.tokens > 2 * self.sequences
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share. A step's histories differ only near their ends (a draft's
+    cache holds the truth and its own proposals, the truth gained the accepted ones and the target's),
+    so the lists are compared in slices, in C, not token by token in Python (~50 us at 500 tokens)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    if n > 32 and a[:n - 32] == b[:n - 32]:
+        lo = n - 32
+    while hi - lo > 8:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
 class Proposer(ABC):
     """Proposes continuations for a batch of sequences; may keep per-sequence state as a cache."""
 

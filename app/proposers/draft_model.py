@@ -24,7 +24,7 @@ from collections import OrderedDict
 import torch
 
 from app.config import MAX_SPECULATIVE_TOKENS, ModelSpec
-from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer
+from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer, common_prefix
 from app.runners.model_runner import ModelRunner
 from app.runners.transfer import to_device
 from app.protocol.sampling_params import SamplingParams
@@ -132,12 +132,7 @@ class DraftModelProposer(Proposer):
             fed = []
         if r.seq_id in self.fed:
             self.fed.move_to_end(r.seq_id)
-        held = 0
-        for a, b in zip(fed, truth):
-            if a != b:
-                break
-            held += 1
-        held = min(held, len(truth) - 1, runner.length(r.seq_id))  # feed at least one token
+        held = min(common_prefix(fed, truth), len(truth) - 1, runner.length(r.seq_id))  # feed at least one token
         runner.truncate(r.seq_id, held)
         missing: list[int] = []
         if len(truth) - held > 2:  # what the draft has not seen, but the last token

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from app.protocol.sampling_params import SamplingParams
-from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer, ProposerUnavailable
+from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer, ProposerUnavailable, common_prefix
 
 
 # A polynomial hash mod a Mersenne prime, extendable by the tokens a step appends: both sides keep the
@@ -135,11 +135,7 @@ class DraftClient(Proposer):
         if len(sent) <= len(ids) and ids[:len(sent)] == sent:  # the truth only grows: the usual case
             base, base_hash = len(sent), sent_hash
         else:
-            base = 0
-            for a, b in zip(sent, ids):
-                if a != b:
-                    break
-                base += 1
+            base = common_prefix(sent, ids)
             base_hash = tokens_hash(ids[:base])
         return DraftSeqDelta(r.seq_id, base, base_hash, ids[base:], r.k, r.sampling, r.seed, r.prompt_len)
 
@@ -179,11 +175,7 @@ class DraftClient(Proposer):
             return max(0, len(token_ids) - 2)  # new to the draft (or it restarted): its whole context
         # the draft holds sent + its own proposals but the last; it feeds what follows the common prefix
         held = self.proposed.get(seq_id, [])[:-1]
-        n = len(entry[0])
-        for a, b in zip(held, token_ids[n:]):
-            if a != b:
-                break
-            n += 1
+        n = len(entry[0]) + common_prefix(held, token_ids[len(entry[0]):])
         return max(0, len(token_ids) - n - 2)
 
     def _call(self, seqs: list[DraftSeqDelta]) -> DraftStepResponse:

@@ -100,3 +100,14 @@ def test_a_truth_that_is_no_longer_an_extension_resumes_from_the_common_prefix()
     assert recorder.seen["s"] == changed and client.resends == 0
     client.propose([_request("s", changed + [5])])  # and the next step extends the new truth
     assert wire.requests[-1].seqs[0].append == [5] and recorder.seen["s"] == changed + [5]
+
+
+def test_common_prefix_is_the_shared_leading_run():
+    from app.proposers.base import common_prefix
+
+    rng = random.Random(2)
+    for _ in range(3000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(200))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(50))]
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == common_prefix(b, a) == n
