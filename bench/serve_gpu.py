@@ -188,7 +188,8 @@ def run_level(port: int, prompts: list[str], streams: int, per_stream: int, stre
 def spying(folder: Path | None, tag: str) -> Iterator[None]:
     """With a folder: py-spy samples every Serve process (replicas and the HTTP proxy) while the block
     runs, one collapsed-stack file per process (`<tag>-<process>.txt`, py-spy's raw format: where a
-    replica's Python time goes at that level). Needs the py-spy binary on PATH."""
+    replica's threads spend their time at that level; `python -m bench.spy_report DIR` reads them).
+    Needs the py-spy binary on PATH."""
     if folder is None:
         yield
         return
@@ -203,8 +204,10 @@ def spying(folder: Path | None, tag: str) -> Iterator[None]:
         if "ServeReplica:" in cmd or "ProxyActor" in cmd:
             name = cmd.split()[0].split(":")[-1].replace("ray::", "")
             out = folder / f"{tag}-{name}-{pid}.txt"
+            # idle samples too: a thread's samples are its wall time, waits on the GPU or a socket included
             procs.append(subprocess.Popen([spy, "record", "--pid", pid, "--format", "raw", "--rate", "200",
-                                           "--threads", "--nonblocking", "--output", str(out)],
+                                           "--threads", "--idle", "--full-filenames", "--nonblocking",
+                                           "--output", str(out)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(0.5)  # attached before the level starts
     try:
