@@ -21,10 +21,10 @@ from app.config import AppConfig, PolicyConfig, UserConfig
 from app.protocol.draft_channel import DraftChannelClient
 from app.protocol.draft import DraftClient, DraftStepRequest, DraftStepResponse, DraftUnavailable
 from app.engine.spec_engine import Overloaded, SpecEngine
-from app.engine.loop import EngineLoop, stream_batches, stream_gap_s
+from app.engine.loop import EngineLoop, Rejected, stream_batches, stream_gap_s
 from app.protocol.generation import GenerateChunk, GenerateRequest
 from app.host_steal import StealMeter
-from app.runners.model_runner import ContextOverflow, ModelRunner
+from app.runners.model_runner import ModelRunner
 from app.runners.profile import profile_target
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
@@ -376,18 +376,15 @@ class TargetServer:
             self._streams -= 1
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        try:
-            if request.sampling.response_format is not None:  # compiled off the event loop and the engine's lock
+        if request.sampling.response_format is not None:  # compiled off the event loop and the engine's lock
+            try:
                 await asyncio.to_thread(self.engine.prepare, request.sampling)
-            queue = self.loop.submit(request.request_id, request.prompt_ids, request.sampling, request.k,
-                                     adaptive=request.adaptive, alpha_prior=request.alpha_prior,
-                                     output_ids=list(request.output_ids))
-        except Overloaded as e:
-            yield GenerateChunk([], "", None, error=f"server overloaded: {e}", status=429, replica=self.replica_id)
-            return
-        except (ValueError, ContextOverflow) as e:
-            yield GenerateChunk([], "", None, error=str(e), status=400, replica=self.replica_id)
-            return
+            except ValueError as e:
+                yield GenerateChunk([], "", None, error=str(e), status=400, replica=self.replica_id)
+                return
+        queue = self.loop.submit(request.request_id, request.prompt_ids, request.sampling, request.k,
+                                 adaptive=request.adaptive, alpha_prior=request.alpha_prior,
+                                 output_ids=list(request.output_ids))
         finished = False
         try:
             gap = lambda: stream_gap_s(self._streams, request.streaming)  # noqa: E731 — open streams change
@@ -404,6 +401,11 @@ class TargetServer:
                                         steps=tuple((len(u.token_ids), u.drafted, u.accepted) for u in batch),
                                         logprobs=None if last.logprobs is None else
                                         [lp for u in batch for lp in (u.logprobs or [])])
+        except Rejected as rejected:  # the engine refused it at the step boundary: nothing to cancel
+            finished = True
+            overloaded = isinstance(rejected.error, Overloaded)
+            yield GenerateChunk([], "", None, error=f"server overloaded: {rejected}" if overloaded else str(rejected),
+                                status=429 if overloaded else 400, replica=self.replica_id)
         finally:
             if not finished:  # client gone, deadline passed, or the router cancelled us
                 self.loop.cancel(request.request_id)

@@ -2,8 +2,11 @@
 
 The model work is synchronous torch code, so it runs on its own thread; request
 coroutines (a Serve replica's handlers) submit work and await per-sequence queues.
-Submission, cancellation and stepping share one lock, so sequences join and leave
-exactly at step boundaries.
+Submissions and cancellations go to an inbox that the engine thread applies between two
+steps, so sequences join and leave exactly at step boundaries and a caller never waits
+for a step: the event loop that submits is the one that streams every other request's
+tokens, and a step (a draft call and a GPU pass) takes milliseconds. A refused submission
+(bad input, a full queue) arrives in its queue as `Rejected`.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.protocol.sampling_params import SamplingParams
-from app.engine.spec_engine import SeqUpdate, SpecEngine
+from app.engine.spec_engine import Overloaded, SeqUpdate, SpecEngine
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,33 @@ def stream_gap_s(open_streams: int, streaming: bool) -> float:
     return gap if streaming else max(gap, NON_STREAMING_GAP_S)
 
 
+class Rejected(Exception):
+    """The engine refused a submitted sequence: `error` is SpecEngine.add's ValueError (bad input) or
+    Overloaded (its queue is full)."""
+
+    def __init__(self, error: ValueError | Overloaded) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass(frozen=True)
+class _Add:
+    seq_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    k: int
+    adaptive: bool
+    alpha_prior: float | None
+    output_ids: list[int] | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    seq_id: str
+
+
 @dataclass
 class LoopStats:
     steps: int = 0
@@ -50,8 +81,9 @@ class EngineLoop:
         self.engine = engine
         self.idle_flush_s = idle_flush_s  # idle this long before pending draft releases are sent
         self.on_step = on_step  # callback(engine, updates, seconds) on the loop thread, for metrics
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held by the engine thread for a step, and for the inbox between steps
         self.wake = threading.Event()
+        self._inbox: deque[_Add | _Cancel] = deque()  # appended by callers, emptied by the engine thread
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stats = LoopStats()
         self._stop = False
@@ -61,21 +93,37 @@ class EngineLoop:
     def submit(self, seq_id: str, prompt_ids: list[int], sampling: SamplingParams, k: int,
                adaptive: bool = False, alpha_prior: float | None = None,
                output_ids: list[int] | None = None) -> asyncio.Queue:
-        """Queue a sequence (SpecEngine.add's arguments); raises ValueError / Overloaded
-        synchronously. Call from the event loop."""
+        """Queue a sequence (SpecEngine.add's arguments) for the next step boundary; its updates, or
+        `Rejected` when the engine refuses it, arrive in the returned queue. Call from the event loop."""
         queue: asyncio.Queue = asyncio.Queue()
-        with self.lock:
-            self.engine.add(seq_id, prompt_ids, sampling, k, adaptive=adaptive, alpha_prior=alpha_prior,
-                            output_ids=output_ids)
-            self.queues[seq_id] = (asyncio.get_running_loop(), queue)
+        self._inbox.append(_Add(seq_id, prompt_ids, sampling, k, adaptive, alpha_prior, output_ids,
+                                asyncio.get_running_loop(), queue))
         self.wake.set()
         return queue
 
     def cancel(self, seq_id: str) -> None:
         """Stop a sequence at the next step boundary and free its caches."""
-        with self.lock:
-            self.engine.abort(seq_id)
-            self.queues.pop(seq_id, None)
+        self._inbox.append(_Cancel(seq_id))
+        self.wake.set()
+
+    def _apply_inbox(self) -> None:
+        """Between two steps, under the lock: add and cancel sequences in the order they came."""
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, _Cancel):
+                self.engine.abort(item.seq_id)
+                self.queues.pop(item.seq_id, None)
+                continue
+            try:
+                self.engine.add(item.seq_id, item.prompt_ids, item.sampling, item.k, adaptive=item.adaptive,
+                                alpha_prior=item.alpha_prior, output_ids=item.output_ids)
+            except (ValueError, Overloaded) as e:
+                item.loop.call_soon_threadsafe(item.queue.put_nowait, Rejected(e))
+            except Exception as e:  # noqa: BLE001 — a fault, not the request's: fail it, keep serving
+                log.exception("adding sequence %s failed", item.seq_id)
+                item.loop.call_soon_threadsafe(item.queue.put_nowait, e)
+            else:
+                self.queues[item.seq_id] = (item.loop, item.queue)
 
     def stop(self) -> None:
         self._stop = True
@@ -83,6 +131,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop:
+            if self._inbox:
+                with self.lock:
+                    self._apply_inbox()
             if not self.engine.has_work():
                 # Free the draft's finished sequences only after a quiet spell: the flush is a call to
                 # the draft replica on this thread, and a closed-loop client's next request, which
