@@ -14,7 +14,9 @@ draft replicas sharing the card) is deployed on 127.0.0.1. Clients send 128-toke
 - speculative decoding at controlled acceptance alpha 0.7 and 0.9, 1 and 8 streams: random weights
   agree on nothing, so the draft replica runs the real draft model every step (its cost is real)
   and then proposes the target's greedy continuation (recorded from the plain run) with
-  probability alpha per token (app/proposers/oracle.py ReferenceProposer);
+  probability alpha per token (app/proposers/oracle.py ReferenceProposer); at 1 stream also with
+  the draft called only when a step needs proposals, for the ratio of calls sent one step ahead
+  (app/engine/draft_ahead.py);
 - the exchange's share of a speculative pass, as the target replica measures it;
 - the in-process fast path's plain figure (bench.gpu's loop: one graph replay per token) in the
   same run, for the ratio.
@@ -258,12 +260,14 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['streams']} | plain, {'streaming' if r['stream'] else 'non-streaming'} | {f(r['tok_s'])} | "
                      f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | {f(r['itl_p50_ms'])} / {f(r['itl_p99_ms'])} | "
                      f"{f(r['e2e_p50_ms'], 0)} / {f(r['e2e_p99_ms'], 0)} | {f(r['engine_steps']['step_ms'], 2)} |")
-    lines += ["", "| α | k | streams | tok/s | × plain | acceptance | tokens / step | step ms | draft share | exchange share |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "| α | k | streams | tok/s | × plain | acceptance | tokens / step | step ms | draft share | exchange share "
+              "| × calls on demand |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["speculative"]:
         lines.append(f"| {r['alpha']} | {r['k']} | {r['streams']} | {f(r['tok_s'])} | {f(r['over_plain'], 2)} | "
                      f"{f(r['acceptance'], 2)} | {f(r['tokens_per_pass'], 2)} | {f(r['pass_ms'], 2)} | "
-                     f"{f(r['draft_share'] * 100)} % | {f(r['exchange_share'] * 100, 2)} % |")
+                     f"{f(r['draft_share'] * 100)} % | {f(r['exchange_share'] * 100, 2)} % | "
+                     f"{f(r.get('ahead_over_on_demand'), 2)} |")
     return "\n".join(lines)
 
 
@@ -365,6 +369,16 @@ def main() -> None:
                        over_plain=row["tok_s"] / plain.get((streams, False), float("nan")))
             spec_rows.append(row)
             print(json.dumps(row), flush=True)
+        # the same level with each step calling the draft only when it needs proposals (no call ahead)
+        first = min(int(s) for s in args.spec_streams.split(","))
+        target_handle.set_draft_ahead.remote(False).result()
+        row, _ = run_level(port, prompts, first, max(2, 8 // first), False, "on", ks[alpha], args.max_tokens)
+        target_handle.set_draft_ahead.remote(True).result()
+        ahead = next(r for r in spec_rows if r["alpha"] == alpha and r["streams"] == first)
+        ahead["on_demand_tok_s"] = row["tok_s"]
+        ahead["ahead_over_on_demand"] = ahead["tok_s"] / row["tok_s"]
+        print(json.dumps({"alpha": alpha, "streams": first, "on_demand_tok_s": row["tok_s"],
+                          "ahead_over_on_demand": ahead["ahead_over_on_demand"]}), flush=True)
     # outputs under speculation equal plain greedy's (same prompt, same tokens)
     draft_handle.set_references.remote(references, 0.7).result()
     mismatched = [p for p in prompts[:8] if complete(port, p, args.max_tokens, False, "on", 4).tokens != outputs[p]]

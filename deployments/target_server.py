@@ -341,11 +341,10 @@ class TargetServer:
         """Split a step's proposal time into per-draft-step compute, catch-up prefill and the hop."""
         if batch <= 0 or depth <= 0:
             return  # the draft was down (plain step): nothing was drafted
-        proposer = engine.proposer
-        if isinstance(proposer, DraftClient):
-            compute, hop = proposer.last_draft_s, proposer.last_exchange_s
-        else:  # in-process proposer (n-gram): no hop
-            compute, hop = total_s, 0.0
+        call = engine.last_times.draft_call
+        if call is None:
+            return  # no draft call answered: the step decoded plainly
+        compute, hop = call.compute_s, call.hop_s
         # the draft runs `depth` batched steps (the deepest sequence's k), the first one maybe a catch-up
         parts = self.pass_parts
         parts["passes"] += 1
@@ -357,7 +356,7 @@ class TargetServer:
             seed_costs(self.policy.costs, draft_profile)  # before this step's own measurement, which then weighs in
             self._draft_profile_seeded = draft_profile
             log.info("draft replica's step profile: %s", draft_profile.summary()["draft_step_ms"])
-        per_step = self.policy.costs.observe_draft_call(batch, depth, compute, proposer.last_first_pass)
+        per_step = self.policy.costs.observe_draft_call(batch, depth, compute, call.first_pass)
         self.policy.costs.observe_exchange(hop)
         if per_step is not None:
             self.window.add("draft", per_step, batch)
@@ -409,6 +408,12 @@ class TargetServer:
         finally:
             if not finished:  # client gone, deadline passed, or the router cancelled us
                 self.loop.cancel(request.request_id)
+
+    def set_draft_ahead(self, enabled: bool) -> None:
+        """Benchmarks: send the draft calls one step ahead (the default) or only when a step needs them
+        (app/engine/draft_ahead.py), to measure both in one run."""
+        with self.loop.lock:
+            self.engine.set_draft_ahead(enabled)
 
     def pass_report(self, reset: bool = True) -> dict:
         """Speculative passes since the last reset: count, and seconds of the passes, of the draft's

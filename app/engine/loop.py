@@ -168,11 +168,8 @@ class EngineLoop:
 
     def _flush_releases(self) -> None:
         """Idle: free finished/cancelled sequences on the draft replica now, not at the next step."""
-        flush = getattr(self.engine.proposer, "flush", None)
-        if flush is None:
-            return
         try:
-            flush()  # not under self.lock: a slow draft must not block submit/cancel
+            self.engine.flush_proposer()  # not under self.lock: a slow draft must not hold up the inbox
         except Exception as e:  # noqa: BLE001 — a draft that is down holds nothing worth freeing
             log.debug("releasing draft caches failed: %s", e)
 

@@ -23,103 +23,33 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
 from app.engine import ahead
 from app.engine.acceptance import AcceptanceStats
+from app.engine.draft_ahead import DraftAhead, DraftCallTimes
+from app.engine.detokenizer import StopChecker
+from app.engine.sequence import FinishReason, SeqUpdate, Sequence, StepTimes
 from app.config import EngineLimits
 from app.protocol.sampling_params import SamplingParams
-from app.engine.detokenizer import StopChecker
 from app.proposers.base import Proposal, ProposalRequest, Proposer, ProposerUnavailable
 from app.runners.model_runner import ContextOverflow, ModelRunner
 from app.spec.grammar import GrammarState, LazyGrammars
 from app.spec.sampling import sample_token
 from app.spec.verify import RowToVerify, TokenLogprob, token_logprobs, verify_batch
 
+__all__ = ["FinishReason", "Overloaded", "ProposerUnavailable", "SeqUpdate", "Sequence", "SpecEngine", "StepPlanner",
+           "StepTimes"]
+
 # Prompt tokens prefilled per engine step, all newcomers together: bounds how long a long prompt
 # stalls the decoding batch (one chunk per step) while short prompts still finish in one step.
 PREFILL_CHUNK = 512
 
-FinishReason = Literal["stop", "length", "abort"]
-
 
 class Overloaded(RuntimeError):
     """The waiting queue is full: the caller should answer 429 with Retry-After."""
-
-
-@dataclass
-class Sequence:
-    seq_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    seed: int
-    k: int  # the most drafts per step for this request; 0 = plain decoding
-    stop: StopChecker
-    prefilled: int = 0  # tokens in the runner's cache before the first token is emitted
-    output_ids: list[int] = field(default_factory=list)  # a failed-over sequence starts with what was streamed
-    prefill_len: int = 0  # prompt (+ resumed output) tokens to prefill before the first emitted token
-    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-    finish_reason: FinishReason | None = None
-    step_k: int = 0  # the depth used at the last step (adaptive k may move it)
-    adaptive: bool = False  # 'auto': the step planner picks 0..k each step; else k every step
-    alpha_prior: float | None = None  # the router's acceptance estimate for its prompt class
-    arrival: float = field(default_factory=time.monotonic)
-    grammar: GrammarState | None = None  # the response format's matcher, at the end of the output
-
-    @property
-    def token_ids(self) -> list[int]:
-        """A new list: prompt and output (hot loops use `length` and `last_token`)."""
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
-    def remaining(self) -> int:
-        return self.sampling.max_tokens - len(self.output_ids)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < self.prefill_len
-
-    def reserved_tokens(self) -> int:
-        """KV tokens this sequence may come to hold (admission reserves it all up front)."""
-        return len(self.prompt_ids) + self.sampling.max_tokens
-
-
-@dataclass
-class SeqUpdate:
-    """What one step produced for one sequence."""
-
-    seq_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None
-    drafted: int = 0
-    accepted: int = 0
-    k: int = 0
-    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked
-
-
-@dataclass
-class StepTimes:
-    """Wall time of the last step's phases, for the cost model and metrics (seconds)."""
-
-    prefill: float = 0.0  # newcomers' prompt prefill (after the batch's step)
-    draft: float = 0.0
-    target: float = 0.0  # decode or verify forward
-    overhead: float = 0.0  # the batch's step outside both forwards: planning, verifying, emitting
-    batch_size: int = 0
-    tokens_in_pass: int = 0
-    num_speculating: int = 0
 
 
 # (batch, per-sequence caps) -> drafts per sequence this step, each in 0..cap. Lets the policy
@@ -137,6 +67,7 @@ class SpecEngine:
         plan_k: StepPlanner | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         launch_ahead: bool = True,
+        draft_ahead: bool = True,
     ) -> None:
         if runner.max_seqs < limits.max_num_seqs:
             raise ValueError(f"the runner has {runner.max_seqs} cache rows but limits.max_num_seqs is "
@@ -151,6 +82,9 @@ class SpecEngine:
         # waits for the one before (the A/B baseline of benchmarks and tests)
         self.launch_ahead = launch_ahead
         self._ahead: ahead.AheadPass | None = None
+        # a remote draft's next call sent as soon as a speculative step has emitted (app/engine/draft_ahead.py);
+        # False: each step calls it when it needs proposals (the A/B baseline)
+        self.drafting = DraftAhead(proposer) if draft_ahead and proposer is not None and proposer.runs_elsewhere else None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admitted: prefilling or decoding, each with a cache row
         self.stats = AcceptanceStats()
@@ -356,8 +290,23 @@ class SpecEngine:
                 self.proposer.observe(seq.seq_id, result.num_accepted)
         if all(len(r.tokens) == 1 and not p.tokens for r, p in zip(results, props)):  # a plain step
             self._launch_ahead([(seq, r.tokens[0], seq.length + 1) for seq, r in zip(batch, results)])
-        return [self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted,
-                           logprobs=result.logprobs) for seq, proposal, result in zip(batch, props, results)]
+        updates = [self._emit(seq, result.tokens, drafted=len(proposal.tokens), accepted=result.num_accepted,
+                              logprobs=result.logprobs) for seq, proposal, result in zip(batch, props, results)]
+        if self.drafting is not None and any(p.tokens for p in props):
+            self._draft_next(batch)
+        return updates
+
+    def _draft_next(self, batch: list[Sequence]) -> None:
+        """Send the next step's draft call now, for the sequences that drafted in this step and go on, at
+        the depth they drafted (app/engine/draft_ahead.py)."""
+        requests = []
+        for seq in batch:
+            room = min(seq.remaining - 1, self.runner.max_context - seq.length - 1)
+            k = min(seq.step_k, room)
+            if seq.finish_reason is None and k > 0:
+                requests.append(ProposalRequest(seq.seq_id, seq.token_ids, k, seq.sampling, seq.seed,
+                                                len(seq.prompt_ids)))
+        self.drafting.launch(requests)
 
     def _ahead_step(self, batch: list[Sequence], times: StepTimes) -> list[SeqUpdate]:
         """A step whose pass was launched by the step before (app/engine/ahead.py): read its tokens,
@@ -413,18 +362,49 @@ class SpecEngine:
     def _propose(self, seqs: list[Sequence], step_k: dict[str, int], times: StepTimes) -> dict[str, Proposal]:
         if not seqs or self.proposer is None:
             return {}
-        requests = [ProposalRequest(s.seq_id, s.token_ids, step_k[s.seq_id], s.sampling, s.seed, len(s.prompt_ids))
-                    for s in seqs]
         t0 = time.perf_counter()
-        try:
-            proposals = self.proposer.propose(requests)
-        except ProposerUnavailable:
-            # a lost draft replica only costs speed: decode plainly this step
-            self.proposer_errors += 1
-            proposals = [Proposal([]) for _ in requests]
-        times.draft = time.perf_counter() - t0
+        got: dict[str, Proposal] = {}
+        calls: DraftCallTimes | None = None
+        if self.drafting is not None and self.drafting.in_flight:
+            got, calls = self.drafting.take({s.seq_id: s.length for s in seqs}, step_k)
+            if not got:
+                calls = None  # none of its proposals serve this step: its time says nothing about it
+        rest = [s for s in seqs if s.seq_id not in got]
+        if rest:  # sequences the call sent ahead does not serve (or all of them, without one)
+            requests = [ProposalRequest(s.seq_id, s.token_ids, step_k[s.seq_id], s.sampling, s.seed,
+                                        len(s.prompt_ids)) for s in rest]
+            t1 = time.perf_counter()
+            try:
+                proposals = self.proposer.propose(requests)
+            except ProposerUnavailable:
+                # a lost draft replica only costs speed: decode plainly this step
+                self.proposer_errors += 1
+                proposals = [Proposal([]) for _ in requests]
+            else:
+                fresh = DraftCallTimes.of(self.proposer, time.perf_counter() - t1)
+                calls = fresh if calls is None else calls + fresh
+            got.update((s.seq_id, p) for s, p in zip(rest, proposals))
+        times.draft = time.perf_counter() - t0  # what the step waited for proposals
+        times.draft_call = calls
         times.num_speculating = len(seqs)
-        return {s.seq_id: p for s, p in zip(seqs, proposals)}
+        return got
+
+    def set_draft_ahead(self, enabled: bool) -> None:
+        """Send draft calls one step ahead (the default, with a remote draft) or only when a step needs
+        them: benchmarks measure both side by side. Between steps."""
+        if enabled and self.drafting is None and self.proposer is not None and self.proposer.runs_elsewhere:
+            self.drafting = DraftAhead(self.proposer)
+        elif not enabled and self.drafting is not None:
+            self.drafting.settle()
+            self.drafting = None
+
+    def flush_proposer(self) -> None:
+        """Idle: let the draft call in flight end, then send the proposer's pending releases now."""
+        if self.drafting is not None:
+            self.drafting.settle()
+        flush = getattr(self.proposer, "flush", None)
+        if flush is not None:
+            flush()
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens masked while the output is shorter than min_tokens: EOS and stop_token_ids."""
@@ -474,5 +454,7 @@ class SpecEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.runner.remove(seq.seq_id)
-        if self.proposer is not None:
+        if self.drafting is not None:
+            self.drafting.release(seq.seq_id)  # after the call in flight, if one is
+        elif self.proposer is not None:
             self.proposer.release(seq.seq_id)

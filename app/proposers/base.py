@@ -76,6 +76,9 @@ class Proposer(ABC):
     """Proposes continuations for a batch of sequences; may keep per-sequence state as a cache."""
 
     last_first_pass: FirstPass = FirstPass()  # set by proposers that run a model (the draft)
+    # proposes in another process (a draft replica): the engine may send a step's call ahead of time
+    # (app/engine/draft_ahead.py); an in-process proposer would only compete with the engine's thread
+    runs_elsewhere: bool = False
 
     @abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
@@ -87,6 +90,11 @@ class Proposer(ABC):
         never saw it, the tokens of every plain step since it last drafted). 0 for proposers with
         nothing to catch up (n-gram)."""
         return 0
+
+    def last_call_split(self, wall_s: float) -> tuple[float, float]:
+        """The last propose() call's `wall_s` as (the proposer's own compute, the hop to it): all compute
+        in process; a remote proposer says what its replica measured."""
+        return wall_s, 0.0
 
     def prepare(self, sampling: SamplingParams) -> None:
         """Before a request is added: do what would otherwise stall a step the first time its

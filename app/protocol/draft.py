@@ -118,6 +118,8 @@ class DraftClient(Proposer):
     DraftUnavailable when no draft replica answers.
     """
 
+    runs_elsewhere = True
+
     def __init__(self, client_id: str, transport: Callable[[DraftStepRequest], DraftStepResponse]) -> None:
         self.client_id = client_id
         self.transport = transport
@@ -168,6 +170,9 @@ class DraftClient(Proposer):
             self.sent[r.seq_id] = (list(r.token_ids), extend_hash(delta.base_hash, delta.append))
             self.proposed[r.seq_id] = proposals[r.seq_id].tokens if r.seq_id in proposals else []
         return [proposals.get(r.seq_id, Proposal([])) for r in requests]
+
+    def last_call_split(self, wall_s: float) -> tuple[float, float]:
+        return self.last_draft_s, self.last_exchange_s
 
     def catch_up_tokens(self, seq_id: str, token_ids: list[int]) -> int:
         entry = self.sent.get(seq_id)

@@ -37,6 +37,9 @@ class FakeEngine:
         self.log.append("step")
         return []
 
+    def flush_proposer(self) -> None:
+        self.proposer.flush()
+
     def add_work(self, loop: EngineLoop) -> None:
         with self.lock:
             self.work += 1

@@ -60,7 +60,7 @@ def test_a_target_replica_seeds_the_draft_replicas_profile_once_it_has_its_chann
     cost model takes it at the first drafting step after, once per profile."""
     from types import SimpleNamespace
 
-    from app.protocol.draft import DraftClient
+    from app.engine.draft_ahead import DraftCallTimes
     from app.proposers.base import FirstPass
     from deployments.draft_server import ChannelInfo
     from deployments.step_window import StepWindow
@@ -73,9 +73,8 @@ def test_a_target_replica_seeds_the_draft_replicas_profile_once_it_has_its_chann
     assert transport._resolve() == ("127.0.0.1", 1, "token")
     assert transport.step_profile is not None and transport.step_profile.draft == list(profile)
 
-    client = DraftClient("target-1", transport)
-    client.last_draft_s, client.last_exchange_s, client.last_first_pass = 0.004, 0.0003, FirstPass()
-    engine = SimpleNamespace(proposer=client, last_times=SimpleNamespace(target=0.01))
+    call = DraftCallTimes(0.0043, 0.004, 0.0003, FirstPass())  # the draft replica's 4 ms and the hop
+    engine = SimpleNamespace(last_times=SimpleNamespace(target=0.01, draft_call=call))
     server = SimpleNamespace(policy=SimpleNamespace(costs=StepCosts()), _transport=transport,
                              _draft_profile_seeded=None, window=StepWindow(),
                              pass_parts={"passes": 0, "pass_s": 0.0, "draft_s": 0.0, "exchange_s": 0.0})
