@@ -318,7 +318,7 @@ class TargetServer:
             self.window.add(kind, times.target, times.tokens_in_pass)
         if times.draft:
             self.metrics.observe_step("draft", times.draft)
-            self._observe_draft(engine, times.draft, times.num_speculating, max((u.drafted for u in updates), default=0))
+            self._observe_draft(engine, times.draft)
         # gauges: a Ray metric call is ~30 us of Python on this thread, five a step were ~5 % of an 8B
         # step; Prometheus scrapes every few seconds, so they are written a few times a second (and
         # always when the engine empties, so an idle replica never shows a stale load)
@@ -337,30 +337,31 @@ class TargetServer:
             self._seen_resends = resends
         self._last_step_end = time.perf_counter()
 
-    def _observe_draft(self, engine: SpecEngine, total_s: float, batch: int, depth: int) -> None:
-        """Split a step's proposal time into per-draft-step compute, catch-up prefill and the hop."""
-        if batch <= 0 or depth <= 0:
-            return  # the draft was down (plain step): nothing was drafted
-        call = engine.last_times.draft_call
-        if call is None:
+    def _observe_draft(self, engine: SpecEngine, total_s: float) -> None:
+        """Split a step's draft calls into per-draft-step compute, catch-up prefill and the hop, each
+        call at its own batch and depth (a call sent a step ahead was made for the batch of then)."""
+        calls = engine.last_times.draft_calls
+        if not calls:
             return  # no draft call answered: the step decoded plainly
-        compute, hop = call.compute_s, call.hop_s
-        # the draft runs `depth` batched steps (the deepest sequence's k), the first one maybe a catch-up
         parts = self.pass_parts
         parts["passes"] += 1
         parts["pass_s"] += total_s + engine.last_times.target
-        parts["draft_s"] += compute
-        parts["exchange_s"] += hop
         draft_profile = self._transport.step_profile if self._transport is not None else None
         if draft_profile is not None and draft_profile is not self._draft_profile_seeded:
             seed_costs(self.policy.costs, draft_profile)  # before this step's own measurement, which then weighs in
             self._draft_profile_seeded = draft_profile
             log.info("draft replica's step profile: %s", draft_profile.summary()["draft_step_ms"])
-        per_step = self.policy.costs.observe_draft_call(batch, depth, compute, call.first_pass)
-        self.policy.costs.observe_exchange(hop)
-        if per_step is not None:
-            self.window.add("draft", per_step, batch)
-        self.window.add("exchange", max(hop, 1e-9))
+        for call in calls:
+            parts["draft_s"] += call.compute_s
+            parts["exchange_s"] += call.hop_s
+            if call.batch <= 0 or call.depth <= 0:
+                continue
+            # the draft runs `depth` batched steps (the deepest sequence's k), the first one maybe a catch-up
+            per_step = self.policy.costs.observe_draft_call(call.batch, call.depth, call.compute_s, call.first_pass)
+            self.policy.costs.observe_exchange(call.hop_s)
+            if per_step is not None:
+                self.window.add("draft", per_step, call.batch)
+            self.window.add("exchange", max(call.hop_s, 1e-9))
 
     # ---- the request path ----
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

@@ -20,32 +20,34 @@ does the idle flush (`settle`).
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from app.proposers.base import FirstPass, Proposal, ProposalRequest, Proposer, ProposerUnavailable
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DraftCallTimes:
-    """One proposer call: its wall time, the proposer's own compute (the draft replica's, for a remote
-    draft), the hop outside it, and its first pass (a catch-up when it fed more than 2 tokens a row)."""
+    """One proposer call for `batch` sequences, `depth` the deepest: its wall time, the proposer's own
+    compute (the draft replica's, for a remote draft), the hop outside it, and its first pass (a
+    catch-up when it fed more than 2 tokens a row). The cost model prices a draft step from these."""
 
+    batch: int
+    depth: int
     wall_s: float
     compute_s: float
     hop_s: float
     first_pass: FirstPass
 
     @staticmethod
-    def of(proposer: Proposer, wall_s: float) -> "DraftCallTimes":
+    def of(proposer: Proposer, requests: list[ProposalRequest], wall_s: float) -> "DraftCallTimes":
         compute, hop = proposer.last_call_split(wall_s)
-        return DraftCallTimes(wall_s, compute, hop, proposer.last_first_pass)
-
-    def __add__(self, other: "DraftCallTimes") -> "DraftCallTimes":
-        a, b = self.first_pass, other.first_pass
-        return DraftCallTimes(self.wall_s + other.wall_s, self.compute_s + other.compute_s, self.hop_s + other.hop_s,
-                              FirstPass(a.tokens + b.tokens, a.sequences + b.sequences, a.seconds + b.seconds))
+        return DraftCallTimes(len(requests), max((r.k for r in requests), default=0), wall_s, compute, hop,
+                              proposer.last_first_pass)
 
 
 @dataclass
@@ -81,43 +83,56 @@ class DraftAhead:
         t0 = time.perf_counter()
         proposals = self.proposer.propose(requests)
         # read here, on the call's own thread: a later call would overwrite the proposer's figures
-        return proposals, DraftCallTimes.of(self.proposer, time.perf_counter() - t0)
+        return proposals, DraftCallTimes.of(self.proposer, requests, time.perf_counter() - t0)
 
     def take(self, lengths: dict[str, int], ks: dict[str, int]) -> tuple[dict[str, Proposal], DraftCallTimes | None]:
         """Wait for the call in flight and return the proposals that serve this step: those of sequences
-        sent with this truth length (`lengths`) and at least this depth (`ks`), cut to it. {} when none
-        was in flight or the draft did not answer."""
+        sent with this truth length (`lengths`) and at least this depth (`ks`), cut to it, and the call's
+        times. ({}, None) when none was in flight or the draft did not answer."""
         call = self._call
         if call is None:
             return {}, None
-        try:
-            proposals, times = call.future.result()
-        except ProposerUnavailable:
-            proposals, times = [], None
-        finally:
-            self._call = None
-            self._release_waiting()
+        released = set(self._releases)  # cancelled meanwhile: an id added again is another sequence
+        proposals, times = self._wait(call)
         out: dict[str, Proposal] = {}
         for seq_id, p in zip(call.order, proposals):
             length, k = call.sent[seq_id]
             want = ks.get(seq_id, 0)
-            if want and lengths.get(seq_id) == length and want <= k:
+            if want and lengths.get(seq_id) == length and want <= k and seq_id not in released:
                 out[seq_id] = Proposal(p.tokens[:want], None if p.probs is None else p.probs[:want])
         self.served += len(out)
         return out, times
 
+    def _wait(self, call: _Call) -> tuple[list[Proposal], DraftCallTimes | None]:
+        """The call's answer ([] when the draft did not answer or the call failed); then nothing is in
+        flight and the releases it held back are sent."""
+        try:
+            return call.future.result()
+        except ProposerUnavailable:
+            return [], None
+        except Exception:  # noqa: BLE001 — a failed call costs its proposals, not the step's batch
+            log.exception("a draft call sent ahead failed")
+            return [], None
+        finally:
+            self._call = None
+            self._release_waiting()
+
     def settle(self) -> None:
         """Wait for the call in flight (its answer is dropped) and send the releases it held back."""
         if self._call is not None:
-            try:
-                self._call.future.result()
-            except ProposerUnavailable:
-                pass
-            self._call = None
+            self._wait(self._call)
         self._release_waiting()
+
+    def reap(self) -> None:
+        """settle() if the call in flight has ended: a step that does not draft leaves it unclaimed, and
+        the releases it holds back (and the histories of finished sequences) would wait for the next
+        drafting step."""
+        if self._call is not None and self._call.future.done():
+            self.settle()
 
     def release(self, seq_id: str) -> None:
         """Free the sequence on the proposer now, or when the call in flight ends."""
+        self.reap()
         if self._call is None:
             self.proposer.release(seq_id)
         else:
@@ -125,4 +140,9 @@ class DraftAhead:
 
     def _release_waiting(self) -> None:
         while self._releases:
-            self.proposer.release(self._releases.pop())
+            self.proposer.release(self._releases.pop(0))
+
+    def close(self) -> None:
+        """settle(), and end the helper thread."""
+        self.settle()
+        self._pool.shutdown(wait=False)

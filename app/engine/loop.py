@@ -111,8 +111,11 @@ class EngineLoop:
         while self._inbox:
             item = self._inbox.popleft()
             if isinstance(item, _Cancel):
-                self.engine.abort(item.seq_id)
                 self.queues.pop(item.seq_id, None)
+                try:
+                    self.engine.abort(item.seq_id)
+                except Exception:  # noqa: BLE001 — the engine thread must outlive one bad cancel
+                    log.exception("cancelling sequence %s failed", item.seq_id)
                 continue
             try:
                 self.engine.add(item.seq_id, item.prompt_ids, item.sampling, item.k, adaptive=item.adaptive,
@@ -169,7 +172,8 @@ class EngineLoop:
     def _flush_releases(self) -> None:
         """Idle: free finished/cancelled sequences on the draft replica now, not at the next step."""
         try:
-            self.engine.flush_proposer()  # not under self.lock: a slow draft must not hold up the inbox
+            with self.lock:  # against a benchmark's set_draft_ahead (the inbox is this thread's, not held up)
+                self.engine.flush_proposer()
         except Exception as e:  # noqa: BLE001 — a draft that is down holds nothing worth freeing
             log.debug("releasing draft caches failed: %s", e)
 

@@ -87,4 +87,4 @@ class StepTimes:
     batch_size: int = 0
     tokens_in_pass: int = 0
     num_speculating: int = 0
-    draft_call: DraftCallTimes | None = None  # the proposer's calls that served this step (`draft` is the wait)
+    draft_calls: tuple[DraftCallTimes, ...] = ()  # the proposer calls that served this step (`draft` is the wait)

@@ -312,6 +312,8 @@ class SpecEngine:
         """A step whose pass was launched by the step before (app/engine/ahead.py): read its tokens,
         launch the next pass, then emit. Sequences that joined since the launch wait for the next one."""
         pending, self._ahead = self._ahead, None
+        if self.drafting is not None:
+            self.drafting.reap()
         t0 = time.perf_counter()
         got = pending.tokens()
         times.target = time.perf_counter() - t0  # what the host waited for the pass
@@ -361,14 +363,16 @@ class SpecEngine:
 
     def _propose(self, seqs: list[Sequence], step_k: dict[str, int], times: StepTimes) -> dict[str, Proposal]:
         if not seqs or self.proposer is None:
+            if self.drafting is not None:
+                self.drafting.reap()  # a plain step: a call sent ahead that has ended is dropped
             return {}
         t0 = time.perf_counter()
         got: dict[str, Proposal] = {}
-        calls: DraftCallTimes | None = None
+        calls: list[DraftCallTimes] = []
         if self.drafting is not None and self.drafting.in_flight:
-            got, calls = self.drafting.take({s.seq_id: s.length for s in seqs}, step_k)
-            if not got:
-                calls = None  # none of its proposals serve this step: its time says nothing about it
+            got, ahead_call = self.drafting.take({s.seq_id: s.length for s in seqs}, step_k)
+            if got and ahead_call is not None:  # a call none of whose proposals serve says nothing of this step
+                calls.append(ahead_call)
         rest = [s for s in seqs if s.seq_id not in got]
         if rest:  # sequences the call sent ahead does not serve (or all of them, without one)
             requests = [ProposalRequest(s.seq_id, s.token_ids, step_k[s.seq_id], s.sampling, s.seed,
@@ -381,11 +385,10 @@ class SpecEngine:
                 self.proposer_errors += 1
                 proposals = [Proposal([]) for _ in requests]
             else:
-                fresh = DraftCallTimes.of(self.proposer, time.perf_counter() - t1)
-                calls = fresh if calls is None else calls + fresh
+                calls.append(DraftCallTimes.of(self.proposer, requests, time.perf_counter() - t1))
             got.update((s.seq_id, p) for s, p in zip(rest, proposals))
         times.draft = time.perf_counter() - t0  # what the step waited for proposals
-        times.draft_call = calls
+        times.draft_calls = tuple(calls)
         times.num_speculating = len(seqs)
         return got
 
@@ -395,7 +398,7 @@ class SpecEngine:
         if enabled and self.drafting is None and self.proposer is not None and self.proposer.runs_elsewhere:
             self.drafting = DraftAhead(self.proposer)
         elif not enabled and self.drafting is not None:
-            self.drafting.settle()
+            self.drafting.close()
             self.drafting = None
 
     def flush_proposer(self) -> None:

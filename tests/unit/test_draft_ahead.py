@@ -129,3 +129,29 @@ def test_turning_calls_ahead_off_between_steps_settles_the_one_in_flight(target_
     assert wire.worker.num_sequences() == 0 and engine.cached_tokens() == 0
     engine.set_draft_ahead(True)
     assert engine.drafting is not None and not engine.drafting.in_flight
+
+
+def test_plain_steps_drop_an_answered_call_so_releases_do_not_wait(target_runner, draft_runner, encode):
+    """A call sent ahead of a step that turns out plain is dropped once it has answered, and the
+    releases it held back go out: they do not wait for the next drafting step, which may never come."""
+    plain = {"on": True}
+
+    def plan_k(batch, caps):
+        return list(caps) if plain["on"] else [0] * len(caps)
+
+    wire = Wire(DraftWorker(DraftModelProposer(runner=draft_runner)))
+    engine = SpecEngine(target_runner, DraftClient("t0", wire), plan_k=plan_k)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add(f"r{i}", encode(prompt), SamplingParams(max_tokens=40, ignore_eos=True), k=4, adaptive=True)
+    while not engine.drafting.in_flight:
+        engine.step()
+    plain["on"] = False
+    engine.drafting._call.future.result()  # the draft has answered
+    engine.step()  # a plain step drops the answer
+    assert not engine.drafting.in_flight
+    engine.abort("r1")  # released at once
+    assert "r1" in engine.proposer.pending_release
+    while engine.has_work():
+        engine.step()
+    engine.flush_proposer()
+    assert wire.worker.num_sequences() == 0 and not engine.proposer.sent

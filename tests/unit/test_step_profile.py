@@ -73,17 +73,17 @@ def test_a_target_replica_seeds_the_draft_replicas_profile_once_it_has_its_chann
     assert transport._resolve() == ("127.0.0.1", 1, "token")
     assert transport.step_profile is not None and transport.step_profile.draft == list(profile)
 
-    call = DraftCallTimes(0.0043, 0.004, 0.0003, FirstPass())  # the draft replica's 4 ms and the hop
-    engine = SimpleNamespace(last_times=SimpleNamespace(target=0.01, draft_call=call))
+    call = DraftCallTimes(8, 4, 0.0043, 0.004, 0.0003, FirstPass())  # batch 8, depth 4: the replica's 4 ms and the hop
+    engine = SimpleNamespace(last_times=SimpleNamespace(target=0.01, draft_calls=(call,)))
     server = SimpleNamespace(policy=SimpleNamespace(costs=StepCosts()), _transport=transport,
                              _draft_profile_seeded=None, window=StepWindow(),
                              pass_parts={"passes": 0, "pass_s": 0.0, "draft_s": 0.0, "exchange_s": 0.0})
     observe = TargetServer.func_or_class._observe_draft
-    observe(server, engine, 0.0043, 8, 4)  # a live step at batch 8: 4 draft steps in 4 ms (the profile said 3 ms each)
+    observe(server, engine, 0.0043)  # a live step at batch 8: 4 draft steps in 4 ms (the profile said 3 ms each)
     assert server._draft_profile_seeded is transport.step_profile
     assert server.policy.costs.t_draft(1) == pytest.approx(0.002)  # batch 1 only from the profile: 8 ms / 4
     seeded_at_8 = server.policy.costs.t_draft(8)
     assert 0.001 < seeded_at_8 < 0.003  # the profile's 3 ms and the live 1 ms, weighed
-    observe(server, engine, 0.0043, 8, 4)  # the same profile is not fed again: only the live step moves it
+    observe(server, engine, 0.0043)  # the same profile is not fed again: only the live step moves it
     assert server.policy.costs.t_draft(1) == pytest.approx(0.002)
     assert server.policy.costs.t_draft(8) < seeded_at_8
