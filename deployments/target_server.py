@@ -408,7 +408,7 @@ class TargetServer:
                                 status=429 if overloaded else 400, replica=self.replica_id)
         finally:
             if not finished:  # client gone, deadline passed, or the router cancelled us
-                self.loop.cancel(request.request_id)
+                self.loop.cancel(request.request_id, queue)
 
     def set_draft_ahead(self, enabled: bool) -> None:
         """Benchmarks: send the draft calls one step ahead (the default) or only when a step needs them

@@ -67,6 +67,7 @@ class _Add:
 @dataclass(frozen=True)
 class _Cancel:
     seq_id: str
+    queue: asyncio.Queue | None  # the submission it cancels: a later one under the same id is left alone
 
 
 @dataclass
@@ -101,9 +102,10 @@ class EngineLoop:
         self.wake.set()
         return queue
 
-    def cancel(self, seq_id: str) -> None:
-        """Stop a sequence at the next step boundary and free its caches."""
-        self._inbox.append(_Cancel(seq_id))
+    def cancel(self, seq_id: str, queue: asyncio.Queue | None = None) -> None:
+        """Stop a sequence at the next step boundary and free its caches. With the queue submit() returned,
+        only that submission is cancelled (a request re-issued under the same id may already be in)."""
+        self._inbox.append(_Cancel(seq_id, queue))
         self.wake.set()
 
     def _apply_inbox(self) -> None:
@@ -111,6 +113,9 @@ class EngineLoop:
         while self._inbox:
             item = self._inbox.popleft()
             if isinstance(item, _Cancel):
+                entry = self.queues.get(item.seq_id)
+                if item.queue is not None and (entry is None or entry[1] is not item.queue):
+                    continue  # that submission has ended (or was refused); the id may be another's now
                 self.queues.pop(item.seq_id, None)
                 try:
                     self.engine.abort(item.seq_id)

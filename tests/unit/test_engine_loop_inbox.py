@@ -109,3 +109,29 @@ def test_a_cancel_that_follows_its_submit_before_the_boundary_leaves_nothing_run
 def test_rejected_keeps_the_engines_error(error: Exception) -> None:
     rejected = Rejected(error)
     assert rejected.error is error and str(rejected) == str(error)
+
+
+def test_a_late_cancel_leaves_a_newer_submission_under_the_same_id_alone() -> None:
+    """A request re-issued under its id can be submitted before the old stream's cancel arrives: the
+    cancel names its own submission's queue and does not touch the new one."""
+    async def main() -> None:
+        engine = SlowEngine()
+        loop = EngineLoop(engine)
+        try:
+            old = loop.submit("a", [1], SamplingParams(max_tokens=1), 0)
+            assert await asyncio.to_thread(engine.in_step.wait, 5)
+            engine.release.set()
+            assert (await asyncio.wait_for(old.get(), 5)).finish_reason == "length"
+            assert await asyncio.to_thread(engine.in_step.wait, 0.2) is False  # idle again
+            new = loop.submit("a", [2], SamplingParams(max_tokens=1), 0)
+            loop.cancel("a", old)  # the old stream's late cleanup
+            assert await asyncio.to_thread(engine.in_step.wait, 5)
+            engine.release.set()
+            assert (await asyncio.wait_for(new.get(), 5)).seq_id == "a"
+            assert engine.log == ["add a", "add a"]  # never aborted
+            loop.cancel("a", new)  # a cancel of the live submission still works (it has finished: nothing to do)
+        finally:
+            engine.release.set()
+            loop.stop()
+
+    asyncio.run(main())
