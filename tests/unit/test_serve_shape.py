@@ -286,7 +286,7 @@ class _FakeLoop:
         self.queues[seq_id] = asyncio.Queue()
         return self.queues[seq_id]
 
-    def cancel(self, seq_id) -> None:
+    def cancel(self, seq_id, queue=None) -> None:
         self.cancelled = True
 
     def stop(self) -> None:
