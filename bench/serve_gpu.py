@@ -325,7 +325,8 @@ def main() -> None:
     prompts = [" ".join(f"t{i}" for i in p) for p in prompts_ids]
     # warm-up: every path once, and the draft's chain graphs (captured on first use per batch bucket and k)
     run_level(port, prompts, 2, 1, True, "off", None, 16)
-    for streams in sorted({int(x) for x in args.spec_streams.split(",")}):
+    spec_levels = sorted({int(x) for x in args.spec_streams.split(",")})
+    for streams in spec_levels:
         for k in sorted(set(ks.values())):
             run_level(port, prompts, streams, 1, False, "on", k, 3 * k)
     rows: list[dict] = []
@@ -354,7 +355,7 @@ def main() -> None:
     spec_rows = []
     for alpha in (float(a) for a in args.alphas.split(",")):
         draft_handle.set_references.remote(references, alpha).result()
-        for streams in (int(s) for s in args.spec_streams.split(",")):
+        for streams in spec_levels:
             target_handle.pass_report.remote().result()
             per_stream = max(2, 8 // streams)
             with spying(args.spy if streams in spy_levels else None, f"spec{alpha}-{streams}"):
@@ -370,7 +371,7 @@ def main() -> None:
             spec_rows.append(row)
             print(json.dumps(row), flush=True)
         # the same level with each step calling the draft only when it needs proposals (no call ahead)
-        first = min(int(s) for s in args.spec_streams.split(","))
+        first = spec_levels[0]
         target_handle.set_draft_ahead.remote(False).result()
         row, _ = run_level(port, prompts, first, max(2, 8 // first), False, "on", ks[alpha], args.max_tokens)
         target_handle.set_draft_ahead.remote(True).result()

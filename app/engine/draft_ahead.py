@@ -53,8 +53,7 @@ class DraftCallTimes:
 @dataclass
 class _Call:
     future: Future  # -> (proposals in request order, DraftCallTimes); raises ProposerUnavailable
-    sent: dict[str, tuple[int, int]]  # seq_id -> (the truth's length, k) as sent
-    order: list[str]
+    sent: dict[str, tuple[int, int]]  # seq_id -> (the truth's length, k) as sent, in request order
 
 
 class DraftAhead:
@@ -77,7 +76,7 @@ class DraftAhead:
             raise RuntimeError("a draft call is already in flight: settle() it first")
         if requests:
             self._call = _Call(self._pool.submit(self._propose, requests),
-                               {r.seq_id: (len(r.token_ids), r.k) for r in requests}, [r.seq_id for r in requests])
+                               {r.seq_id: (len(r.token_ids), r.k) for r in requests})
 
     def _propose(self, requests: list[ProposalRequest]) -> tuple[list[Proposal], DraftCallTimes]:
         t0 = time.perf_counter()
@@ -95,8 +94,7 @@ class DraftAhead:
         released = set(self._releases)  # cancelled meanwhile: an id added again is another sequence
         proposals, times = self._wait(call)
         out: dict[str, Proposal] = {}
-        for seq_id, p in zip(call.order, proposals):
-            length, k = call.sent[seq_id]
+        for (seq_id, (length, k)), p in zip(call.sent.items(), proposals):
             want = ks.get(seq_id, 0)
             if want and lengths.get(seq_id) == length and want <= k and seq_id not in released:
                 out[seq_id] = Proposal(p.tokens[:want], None if p.probs is None else p.probs[:want])

@@ -84,7 +84,8 @@ class SpecEngine:
         self._ahead: ahead.AheadPass | None = None
         # a remote draft's next call sent as soon as a speculative step has emitted (app/engine/draft_ahead.py);
         # False: each step calls it when it needs proposals (the A/B baseline)
-        self.drafting = DraftAhead(proposer) if draft_ahead and proposer is not None and proposer.runs_elsewhere else None
+        self.drafting: DraftAhead | None = None
+        self.set_draft_ahead(draft_ahead)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admitted: prefilling or decoding, each with a cache row
         self.stats = AcceptanceStats()
@@ -261,9 +262,7 @@ class SpecEngine:
                 self.runner.truncate(seq.seq_id, 0)
                 for start in range(0, held, self.prefill_chunk):
                     self.runner.prefill(seq.seq_id, seq.token_ids[start:min(held, start + self.prefill_chunk)])
-            # no proposals past max_tokens (the target adds one) or past the context
-            room = min(seq.remaining - 1, self.runner.max_context - seq.length - 1)
-            caps.append(max(0, min(seq.k, self.max_k, room)))
+            caps.append(max(0, min(seq.k, self.max_k, self._room(seq))))
         # the planner sees every step, all-plain ones too (the target server measures those as a mode)
         ks = self.plan_k(batch, caps) if self.plan_k is not None else caps
         step_k: dict[str, int] = {}
@@ -299,14 +298,16 @@ class SpecEngine:
     def _draft_next(self, batch: list[Sequence]) -> None:
         """Send the next step's draft call now, for the sequences that drafted in this step and go on, at
         the depth they drafted (app/engine/draft_ahead.py)."""
-        requests = []
-        for seq in batch:
-            room = min(seq.remaining - 1, self.runner.max_context - seq.length - 1)
-            k = min(seq.step_k, room)
-            if seq.finish_reason is None and k > 0:
-                requests.append(ProposalRequest(seq.seq_id, seq.token_ids, k, seq.sampling, seq.seed,
-                                                len(seq.prompt_ids)))
-        self.drafting.launch(requests)
+        going = [(seq, min(seq.step_k, self._room(seq))) for seq in batch if seq.finish_reason is None]
+        self.drafting.launch([self._proposal_request(seq, k) for seq, k in going if k > 0])
+
+    def _room(self, seq: Sequence) -> int:
+        """Proposals the sequence may take: none past max_tokens (the target adds one) or past the context."""
+        return min(seq.remaining - 1, self.runner.max_context - seq.length - 1)
+
+    @staticmethod
+    def _proposal_request(seq: Sequence, k: int) -> ProposalRequest:
+        return ProposalRequest(seq.seq_id, seq.token_ids, k, seq.sampling, seq.seed, len(seq.prompt_ids))
 
     def _ahead_step(self, batch: list[Sequence], times: StepTimes) -> list[SeqUpdate]:
         """A step whose pass was launched by the step before (app/engine/ahead.py): read its tokens,
@@ -375,8 +376,7 @@ class SpecEngine:
                 calls.append(ahead_call)
         rest = [s for s in seqs if s.seq_id not in got]
         if rest:  # sequences the call sent ahead does not serve (or all of them, without one)
-            requests = [ProposalRequest(s.seq_id, s.token_ids, step_k[s.seq_id], s.sampling, s.seed,
-                                        len(s.prompt_ids)) for s in rest]
+            requests = [self._proposal_request(s, step_k[s.seq_id]) for s in rest]
             t1 = time.perf_counter()
             try:
                 proposals = self.proposer.propose(requests)

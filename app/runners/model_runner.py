@@ -219,10 +219,9 @@ class ModelRunner:
         fed = np.ones(B, dtype=np.int64)
         force = np.full((B, k), -1, dtype=np.int64)  # -1: the row's own argmax
         rows = [self._row[s] for s in seq_ids]
-        for i, row in enumerate(rows):
+        for i, (row, feed) in enumerate(zip(rows, feeds)):
             if forced is not None and forced[i]:
                 force[row, :len(forced[i])] = forced[i][:k]
-        for row, feed in zip(rows, feeds):
             if not 1 <= len(feed) <= 2:
                 raise ValueError(f"a draft chain feeds 1 or 2 tokens per sequence, got {len(feed)}")
             if self._lengths[row] + len(feed) + k - 1 > self.model.max_len:
