@@ -26,11 +26,11 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _runner(path, graphs: bool, quantization: str = "none"):
+def _runner(path, graphs: bool, quantization: str = "none", dtype: str = "bfloat16"):
     from app.config import ModelSpec
     from app.runners.model_runner import ModelRunner
 
-    spec = ModelSpec(path=str(path), dtype="bfloat16", device="cuda", max_context=256, cuda_graphs=graphs,
+    spec = ModelSpec(path=str(path), dtype=dtype, device="cuda", max_context=256, cuda_graphs=graphs,
                      quantization=quantization)
     return ModelRunner(spec, max_seqs=8, widths=range(1, 6))
 
@@ -70,7 +70,10 @@ def test_engine_with_a_draft_equals_plain_greedy_on_cuda(checkpoint) -> None:
     from app.engine.spec_engine import SpecEngine
     from app.proposers import DraftModelProposer
 
-    target, draft = _runner(checkpoint, True), _runner(checkpoint, True, "int8")
+    # float32: in bf16 a verify pass of width k + 1 rounds differently from a width-1 decode, and this
+    # random model's logits are near-ties, so whole sequences diverge (2 of these 4 on an H100, eager
+    # and graphed alike) without any bug; float32 makes any difference a real one
+    target, draft = _runner(checkpoint, True, dtype="float32"), _runner(checkpoint, True, "int8", "float32")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (12, 40, 25, 9)]
 
@@ -88,10 +91,8 @@ def test_engine_with_a_draft_equals_plain_greedy_on_cuda(checkpoint) -> None:
 
     plain, _ = run(None, 0)
     spec, stats = run(DraftModelProposer(runner=draft), 4)
-    assert stats.num_draft_tokens > 0
-    # bf16 with a different pass width may flip a near-tie: most sequences must agree exactly
-    same = sum(spec[k] == plain[k] for k in plain)
-    assert same >= len(plain) - 1, {k: (plain[k][:12], spec[k][:12]) for k in plain}
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # the int8 draft is refused sometimes
+    assert spec == plain
 
 
 def test_catch_ups_of_many_rows_and_forced_chains_on_graphs(checkpoint) -> None:
