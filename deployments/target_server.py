@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from contextlib import aclosing
@@ -28,7 +29,8 @@ from app.runners.model_runner import ModelRunner
 from app.runners.profile import profile_target
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
-from app.policy.step_mode import forced_mode, mode_ks
+from app.policy.cost_model import breakeven_alpha
+from app.policy.step_mode import batch_bucket, forced_mode, mode_ks
 from app.policy.step_profile import StepProfile, seed_costs
 from app.policy.step_wall import StepWall
 from app.proposers import NgramProposer, Proposer
@@ -48,6 +50,8 @@ DRAFT_RETRY_AFTER_S = 2.0  # after a failed draft call, decode plainly this long
 DRAFT_RETRY_AFTER_MAX_S = 30.0  # ... doubling while calls keep failing
 DRAIN_POLL_S = 0.05  # how often a shutting-down replica checks whether its streams have ended
 GAUGE_PERIOD_S = 0.25  # the load gauges' writes, at most this often while the engine has work
+# how often the step mode 'on' recomputes its break-even acceptance: the cost model moves over seconds
+BREAKEVEN_PERIOD_S = 0.25
 
 
 class ReplicaDraining(RuntimeError):
@@ -154,6 +158,7 @@ class TargetServer:
         self._build_step_policy(c, None)
         # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
         self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
+        self._breakeven: dict[int, tuple[float, float]] = {}  # batch bucket -> (when, acceptance), _pays_at_default_k
         self.step_wall = StepWall()
         self._mode_steps = 0
         # speculative passes as this replica measures them: the whole pass (draft call + verify),
@@ -220,12 +225,14 @@ class TargetServer:
             adaptive = [seq.adaptive and cap > 0 for seq, cap in zip(batch, caps)]
             default_k = self.policy.config.default_k
             if not any(adaptive):
-                mode = forced_mode([seq.k for seq in batch], [seq.adaptive for seq in batch], default_k)
+                requested = [seq.k for seq in batch]
+                pays = self._pays_at_default_k(batch) if all(k == default_k for k in requested) else None
+                mode = forced_mode(requested, [seq.adaptive for seq in batch], default_k, pays)
                 self._step_mode = (mode, False, ids) if mode is not None else None
                 return caps
             mode = self.arbiter.mode(len(batch))
             self._step_mode = (mode, True, ids)
-            ks = mode_ks(mode, caps, adaptive, default_k)
+            ks = mode_ks(mode, caps, adaptive, default_k, self._pays_at_default_k(batch) if mode == "on" else None)
             if ks is not None:
                 return ks
         if not any(caps):
@@ -254,6 +261,23 @@ class TargetServer:
         self.hold.record(ids, plan)
         self._planned = (plan, candidates)  # its realized time is fed back in _on_step
         return plan.ks
+
+    def _pays_at_default_k(self, batch) -> list[bool]:
+        """Per sequence: would drafting the default k gain over plain decoding for it, in a batch of
+        this size drafting alike, at its own acceptance estimate (optimistic, as the planner's for
+        joining a drafting step)? The step mode 'on' drafts only these (app/policy/step_mode.py says
+        why). A batch bucket's break-even acceptance is a dozen cost-model queries: recomputed every
+        BREAKEVEN_PERIOD_S."""
+        c = self.policy.config
+        now, bucket = time.perf_counter(), batch_bucket(len(batch))
+        when, threshold = self._breakeven.get(bucket, (-math.inf, math.inf))
+        if now - when > BREAKEVEN_PERIOD_S:
+            threshold = breakeven_alpha(self.policy.costs, c.default_k, b=bucket)
+            self._breakeven[bucket] = (now, threshold)
+        replica_alpha = self.policy.acceptance.alpha("default")
+        return [seq.stats.token_alpha_upper(seq.alpha_prior if seq.alpha_prior is not None else replica_alpha,
+                                            c.acceptance_optimism, c.sequence_prior_weight) >= threshold
+                for seq in batch]
 
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         with self._step_lock:

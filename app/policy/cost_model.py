@@ -344,6 +344,19 @@ def speedup(
     return plain / per_token if per_token > 0 else 1.0
 
 
+def breakeven_alpha(costs: StepCosts, k: int, *, b: int = 1, margin: float = 1.0) -> float:
+    """The lowest per-token acceptance at which drafting k tokens beats plain decoding by `margin` for
+    a sequence in a batch of b (math.inf: not even at acceptance 1). Bisection: speedup grows with
+    acceptance (more tokens per step at the same cost)."""
+    if k <= 0 or speedup(1.0, k, b, costs) < margin:
+        return math.inf
+    lo, hi = 0.0, 1.0
+    for _ in range(12):  # to 1/4096: far finer than any acceptance estimate
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if speedup(mid, k, b, costs) >= margin else (mid, hi)
+    return hi
+
+
 def best_spec_k(alpha: float, b: int, costs: StepCosts, max_k: int, **kw: object) -> tuple[int, float]:
     """The k in 1..max_k with the highest speedup, whatever it is (ties go to the smaller k)."""
     best, best_s = 1, -math.inf

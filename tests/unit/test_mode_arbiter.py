@@ -843,3 +843,47 @@ def test_a_neighbours_clear_loser_that_wins_here_leads_within_the_level() -> Non
     chosen = run(arb, 390, rates4.__getitem__, batch=4, step_s=0.2)  # a 78-s level at b4
     assert arb.snapshot()["b4"]["leader"] == "on", chosen
     assert chosen["on"] / sum(chosen.values()) > 0.5, chosen  # led for most of the level, not its end
+
+
+def _h100_costs():
+    """The served H100 figures of bench/RESULTS.md section 1: a 1-row decode 5.6 ms, a 5-token verify
+    7.9 ms, a draft step 1.3 ms, the exchange 0.7 ms."""
+    from app.policy.cost_model import StepCosts
+
+    costs = StepCosts()
+    for _ in range(50):
+        costs.observe_target(1, 0.0056)
+        costs.observe_target(5, 0.0079)
+        costs.observe_draft(1, 0.0013)
+        costs.observe_exchange(0.0007)
+    return costs
+
+
+def test_breakeven_acceptance_is_where_drafting_starts_to_pay() -> None:
+    from app.policy.cost_model import StepCosts, breakeven_alpha, speedup
+
+    costs = _h100_costs()
+    a = breakeven_alpha(costs, 4)
+    assert 0.35 < a < 0.8  # the mixed sweep's prose does not pay at k 4, its code does
+    assert speedup(a, 4, 1, costs) >= 1.0 > speedup(a - 0.01, 4, 1, costs)
+    assert breakeven_alpha(costs, 4, margin=1.15) > a
+    slow = StepCosts()
+    for _ in range(50):
+        slow.observe_target(1, 0.0056)
+        slow.observe_draft(1, 0.05)  # a draft step dearer than the target's: never pays
+    assert breakeven_alpha(slow, 4) == math.inf
+
+
+def test_the_on_mode_drafts_only_the_sequences_whose_acceptance_pays() -> None:
+    """A mixed batch (code at acceptance 0.8, prose at 0.35) in the 'on' mode at H100 costs: the code
+    drafts at the default k, the prose decodes plainly; a forced-'on' batch holding prose is not
+    evidence of that mode."""
+    from app.policy.cost_model import breakeven_alpha
+
+    threshold = breakeven_alpha(_h100_costs(), 4)
+    alphas = [0.8, 0.35, 0.8, 0.35]
+    pays = [a >= threshold for a in alphas]
+    assert mode_ks("on", [8, 8, 8, 8], [True] * 4, default_k=4, pays=pays) == [4, 0, 4, 0]
+    assert mode_ks("off", [8, 8, 8, 8], [True] * 4, default_k=4, pays=pays) == [0, 0, 0, 0]
+    assert forced_mode([4, 4], [False, False], 4, pays=[True, False]) is None
+    assert forced_mode([4, 4], [False, False], 4, pays=[True, True]) == "on"
