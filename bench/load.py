@@ -28,7 +28,8 @@ Per cell:
 - latency p50/p99: end-to-end seconds of the requests that started and finished in the window;
 - acceptance: accepted / drafted tokens over those requests;
 - for auto: how many of its requests speculated, and the decision reasons.
-Prints a table, writes `--json` (bench/results/load-cpu.json) and draws `--png` (bench/load.png),
+Prints a table, writes `--json` (bench/results/load-cpu.json) and draws `--png` (bench/load-cpu.png;
+the 8B pair on a GPU: load-gpu.json and bench/load.png),
 with the target check: auto within 3% of the better fixed policy at every level, above both
 somewhere; and, since goodput differences on a shared machine can be noise, whether most of
 auto's requests took the mode (speculate or not) of the fixed policy that measured better.
@@ -391,7 +392,9 @@ def _args() -> argparse.Namespace:
     name = {"embedded": "load-cpu" if args.device == "cpu" else "load-embedded-gpu", "8b": "load-gpu",
             "tiny": "load-tiny"}[args.shape]
     args.json = args.json or str(results / f"{name}.json")
-    args.png = args.png or str(PROJECT_ROOT / "bench" / ("out/load-tiny.png" if args.shape == "tiny" else "load.png"))
+    # bench/load.png is the GPU sweep's (the policy's verdict); the CPU one is a regression check
+    png = {"8b": "load.png", "tiny": "out/load-tiny.png"}.get(args.shape, f"{name}.png")
+    args.png = args.png or str(PROJECT_ROOT / "bench" / png)
     return args
 
 
