@@ -15,7 +15,8 @@ runs the batch's adaptive sequences in the best one (a load bucket is that of th
 the last `load_window_s`, see below):
 
 - `plan`: the step planner decides (its exploration, hold and depth choice included);
-- `on`:   every adaptive sequence drafts at the policy's default k (what forced 'on' does);
+- `on`:   every adaptive sequence whose acceptance makes the default k pay at the batch's size
+          drafts it (step_mode.py: under mixed traffic, the code drafts and the prose does not);
 - `off`:  every adaptive sequence decodes plainly (what forced 'off' does).
 
 Each arm that is not the leader is re-measured by a short probe (at least `probe_min_steps`
