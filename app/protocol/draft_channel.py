@@ -45,9 +45,14 @@ def _sampling_fields(p: SamplingParams) -> list | None:
     return [p.temperature, p.top_p, p.top_k, None if fmt is None else [fmt.type, fmt.schema_text]]
 
 
+# greedy free text, the usual case: one shared instance (frozen) instead of a validated model per
+# sequence per step (32 of them were 85 of a request's 146 us of decoding)
+_GREEDY = SamplingParams()
+
+
 def _sampling(fields: list | None) -> SamplingParams:
     if fields is None:
-        return SamplingParams()
+        return _GREEDY
     temperature, top_p, top_k, fmt = fields
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                           response_format=None if fmt is None else StructuredOutput(type=fmt[0], schema_text=fmt[1]))
