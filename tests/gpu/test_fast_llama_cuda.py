@@ -39,7 +39,7 @@ def test_graph_replay_equals_eager() -> None:
         torch.testing.assert_close(fused.run(tokens, positions).float(), want.float(), atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 16])  # 9-16: a draft step of 8 sequences feeding 2 tokens each
 @pytest.mark.parametrize("n,k", [(40, 96), (3072, 2048), (2048, 8192), (33, 300)])
 def test_triton_int8_gemv_equals_the_dequantised_matmul(m: int, n: int, k: int) -> None:
     from app.runners.lean_llama import _int8_matmul, quantize_int8
@@ -72,6 +72,26 @@ def test_every_pinned_block_config_gives_the_dequantised_matmul() -> None:
         got = got.float()
         assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item(), (n, k, m, config)
     assert (40, 96, 1) not in PINNED  # test_triton_int8_gemv_equals_the_dequantised_matmul covers autotuning
+
+
+def test_the_pins_past_eight_rows_give_the_dequantised_matmul() -> None:
+    """9-16 rows (a draft step of 8 sequences feeding 2 tokens each) run the 1B shapes' split-K pins on
+    16 padded rows, as 3-8 rows do: twice each, the atomic workspace (MAX_ROWS rows) reused."""
+    from app.runners.lean_llama import _int8_matmul, quantize_int8
+    from app.runners.kernels.int8_gemv import MAX_ROWS, PINNED, launch
+
+    assert MAX_ROWS >= 16
+    torch.manual_seed(0)
+    for n, k in [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)]:
+        qw = quantize_int8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        for m in (9, 13, 16):
+            assert (n, k, m) in PINNED
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = _int8_matmul(x, qw.q, qw.scale).float()
+            for _ in range(2):
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                launch(x, qw.q, qw.scale, y)
+                assert (y.float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item(), (n, k, m)
 
 
 @pytest.mark.parametrize("m", [3, 4, 5, 8])

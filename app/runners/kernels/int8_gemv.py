@@ -103,6 +103,10 @@ if AVAILABLE:
 
     _int8_rows_autotuned = triton.autotune(configs=_ROWS_CONFIGS, key=["N", "K", "M"])(
         triton.heuristics({"BLOCK_M": lambda a: rows_block(a["M"], a["BLOCK_N"])})(_int8_rows_body))
+    # past 8 rows only tl.dot blocks: a thin block's [BLOCK_M, BLOCK_N, BLOCK_K] product would hold 16 rows
+    _int8_many_rows_autotuned = triton.autotune(configs=[c for c in _ROWS_CONFIGS if c.kwargs["BLOCK_N"] >= 16],
+                                                key=["N", "K", "M"])(
+        triton.heuristics({"BLOCK_M": lambda a: rows_block(a["M"], a["BLOCK_N"])})(_int8_rows_body))
 
     @triton.jit
     def _int8_split_k_kernel(x_ptr, q_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, BLOCK_M: tl.constexpr,
@@ -249,7 +253,12 @@ if AVAILABLE:
             tl.store(y_ptr + offs, (total * s[None, :]).to(y_ptr.dtype.element_ty), mask=out_ok & last)
             tl.store(cnt_ptr + pid_n, 0, mask=last)
 
-MAX_ROWS = 8  # the few-row kernel's limit; more rows (a prefill) are a GEMM's work
+# The few-row kernels' limit; more rows (a prefill) are a GEMM's work. 16: a draft step of 8 sequences
+# feeds 2 tokens each (the last proposal and the target's token), and past this limit its first pass
+# dequantised every weight for cuBLAS (5 bytes moved per weight instead of 1): the served 1B draft's
+# call at 8 sequences and depth 1 took 6.9 ms against 2.0 at 4 on an H100 (bench/RESULTS.md section 1).
+# With tl.dot blocks 9-16 rows are the same 16 padded rows as 3-8, so the same kernels serve them.
+MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps), or split-K (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "atomic" | "reduce", either
 # with "-swap" for the weights as the dot's first operand; SPLIT_K 1 with "-swap": the swapped dot unsplit), or
 # (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "fma"): _int8_fma_kernel, unsplit (SPLIT_K 1) or with the atomic epilogue
@@ -299,14 +308,15 @@ H200_1B_SPLIT_K_UNALIGNED: dict[tuple[int, int, int], BlockConfig] = {
 # bench.gpu_split_k --search fma` then `--search aligned`, two runs on one H200, cold weights. 5 rows, µs,
 # against the unaligned pins: wqkv 6.15 -> 5.75-5.80, wo 5.42 -> 5.14, w_down 10.81 -> 8.60 (8 splits instead
 # of 4), w_gate_up 12.5 -> 12.0 (the split-K kernel unsplit, 64x256 blocks, against the few-row kernel's
-# 32x128). Pinned for 3-8 rows. lm_head: 64x256 unsplit is within 1 % of the few-row pin at 4-6 rows (not
-# pinned there), pinned at 3, 7, 8. The fma form (_int8_fma_kernel) is 1.6-4x slower on every shape.
+# 32x128). Pinned for 3-8 rows, and for 9-16 (the same compiled kernels: 16 padded rows; not timed there).
+# lm_head: 64x256 unsplit is within 1 % of the few-row pin at 4-6 rows (not pinned there), pinned at 3 and
+# 7-16. The fma form (_int8_fma_kernel) is 1.6-4x slower on every shape.
 H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {
-    **{(3072, 2048, m): (32, 128, 4, 4, "atomic-aligned") for m in range(3, 9)},  # wqkv
-    **{(2048, 2048, m): (32, 256, 4, 4, "atomic-aligned") for m in range(3, 9)},  # wo
-    **{(2048, 8192, m): (32, 256, 4, 8, "atomic-aligned") for m in range(3, 9)},  # w_down: 4 -> 8 splits
-    **{(16384, 2048, m): (64, 256, 4, 1, "atomic-aligned") for m in range(3, 9)},  # w_gate_up, unsplit
-    **{(128256, 2048, m): (64, 256, 4, 1, "atomic-aligned") for m in (3, 7, 8)},  # lm_head
+    **{(3072, 2048, m): (32, 128, 4, 4, "atomic-aligned") for m in range(3, MAX_ROWS + 1)},  # wqkv
+    **{(2048, 2048, m): (32, 256, 4, 4, "atomic-aligned") for m in range(3, MAX_ROWS + 1)},  # wo
+    **{(2048, 8192, m): (32, 256, 4, 8, "atomic-aligned") for m in range(3, MAX_ROWS + 1)},  # w_down: 4 -> 8 splits
+    **{(16384, 2048, m): (64, 256, 4, 1, "atomic-aligned") for m in range(3, MAX_ROWS + 1)},  # w_gate_up, unsplit
+    **{(128256, 2048, m): (64, 256, 4, 1, "atomic-aligned") for m in (3, 7, *range(8, MAX_ROWS + 1))},  # lm_head
 }
 PINNED: dict[tuple[int, int, int], BlockConfig] = {**H200_1B_COLD, **H200_1B_SPLIT_K}
 SPLIT_K_ENABLED = True  # False: every split-K pin falls back to H200_1B_COLD's config (benches' "before")
@@ -389,7 +399,7 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tenso
     N = q.shape[0]
     config = config or pinned_config(N, K, M)
     if config is None:
-        kernel = _int8_gemv_kernel if M <= 2 else _int8_rows_autotuned
+        kernel = _int8_gemv_kernel if M <= 2 else _int8_rows_autotuned if M <= 8 else _int8_many_rows_autotuned
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, q, scale, y, N, K, M)
         return
     if len(config) > 3:
