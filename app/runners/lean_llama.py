@@ -29,8 +29,9 @@ from app.runners.kernels import int8_gemv, rows_attention
 
 Out = TypeVar("Out")
 Weights = Literal["bf16", "int8", "int8_layers"]
-# An int8 matmul over at most this many rows (batch x width: decode, the draft's 2-token catch-up,
-# short verify passes) runs as a fused GEMV-like Triton kernel reading int8; a longer one (a
+# An int8 matmul over a few rows (batch x width: decode, the draft's 2-token catch-up, short verify
+# passes) runs as a fused GEMV-like kernel reading int8: app/runners/kernels/int8_gemv.py's up to its
+# MAX_CHUNKED_ROWS (the default), Inductor's up to GEMV_MAX_ROWS where asked for; a longer one (a
 # prefill) dequantises the weight to the model's dtype and uses cuBLAS.
 GEMV_MAX_ROWS = 8
 # prefill_last captures a graph per power-of-two prompt bucket up to this length (longer prompts
@@ -279,7 +280,7 @@ class FastLlama:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         m = x2.shape[0]
         own_kernel = m == 2 or (m == 1 and self.int8_one_row == "triton") or \
-            (3 <= m <= int8_gemv.MAX_ROWS and self.int8_few_rows == "triton")
+            (3 <= m <= int8_gemv.MAX_CHUNKED_ROWS and self.int8_few_rows == "triton")
         if own_kernel and self.device.type == "cuda" and int8_gemv.AVAILABLE and not self._int8_inlined:
             y = int8_gemv.int8_gemv(x2, w.q, w.scale)  # pinned block configs; two rows read the weights once
         elif m <= GEMV_MAX_ROWS:

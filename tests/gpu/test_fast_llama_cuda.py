@@ -39,7 +39,8 @@ def test_graph_replay_equals_eager() -> None:
         torch.testing.assert_close(fused.run(tokens, positions).float(), want.float(), atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 16])  # 9-16: a draft step of 8 sequences feeding 2 tokens each
+# 9-16: a draft step of 8 sequences feeding 2 tokens each; 17-64: chunks of 16 rows (32 sequences)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 16, 17, 40, 64])
 @pytest.mark.parametrize("n,k", [(40, 96), (3072, 2048), (2048, 8192), (33, 300)])
 def test_triton_int8_gemv_equals_the_dequantised_matmul(m: int, n: int, k: int) -> None:
     from app.runners.lean_llama import _int8_matmul, quantize_int8

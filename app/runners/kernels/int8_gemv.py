@@ -259,6 +259,10 @@ if AVAILABLE:
 # call at 8 sequences and depth 1 took 6.9 ms against 2.0 at 4 on an H100 (bench/RESULTS.md section 1).
 # With tl.dot blocks 9-16 rows are the same 16 padded rows as 3-8, so the same kernels serve them.
 MAX_ROWS = 16
+# Up to this many rows (a draft step of 32 sequences, 64 rows in its first pass) int8_gemv runs the
+# few-row kernels on chunks of MAX_ROWS rows: each chunk reads the weights once (2 bytes a weight at 32
+# rows, 4 at 64), still less than dequantising them for cuBLAS (5 bytes and a transient copy).
+MAX_CHUNKED_ROWS = 4 * MAX_ROWS
 # (BLOCK_N, BLOCK_K, num_warps), or split-K (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "atomic" | "reduce", either
 # with "-swap" for the weights as the dot's first operand; SPLIT_K 1 with "-swap": the swapped dot unsplit), or
 # (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, "fma"): _int8_fma_kernel, unsplit (SPLIT_K 1) or with the atomic epilogue
@@ -415,16 +419,18 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tenso
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x `[M, K]` (1 <= M <= MAX_ROWS), q `[N, K]` int8, scale `[N]` -> `(x @ q.T) * scale` `[M, N]` in x's
-    dtype. An unpinned (N, K, M) autotunes at its first call (outside any graph capture: warm up first)."""
+    """x `[M, K]` (1 <= M <= MAX_CHUNKED_ROWS), q `[N, K]` int8, scale `[N]` -> `(x @ q.T) * scale` `[M, N]` in
+    x's dtype; past MAX_ROWS rows, one launch per chunk of MAX_ROWS rows. An unpinned (N, K, M) autotunes at
+    its first call (outside any graph capture: warm up first)."""
     if not AVAILABLE:
         raise RuntimeError("int8_gemv needs Triton (it ships with CUDA builds of torch)")
     M, K = x.shape
     N = q.shape[0]
-    if not 1 <= M <= MAX_ROWS or q.shape[1] != K or scale.shape != (N,):
-        raise ValueError(f"int8_gemv takes x [1..{MAX_ROWS}, K], q [N, K], scale [N]; got {tuple(x.shape)}, "
+    if not 1 <= M <= MAX_CHUNKED_ROWS or q.shape[1] != K or scale.shape != (N,):
+        raise ValueError(f"int8_gemv takes x [1..{MAX_CHUNKED_ROWS}, K], q [N, K], scale [N]; got {tuple(x.shape)}, "
                          f"{tuple(q.shape)}, {tuple(scale.shape)}")
     x = x.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    launch(x, q, scale, y)
+    for i in range(0, M, MAX_ROWS):  # row slices of contiguous x and y are contiguous
+        launch(x[i:i + MAX_ROWS], q, scale, y[i:i + MAX_ROWS])
     return y
