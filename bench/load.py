@@ -370,7 +370,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--steal-retries", type=int, default=3, help="with --max-steal: re-runs per cell at most")
     ap.add_argument("--json", default=None, help="the report (a sweep: default bench/results/load-cpu.json, "
                                                  "load-gpu.json for the 8b pair; --pool: only if given)")
-    ap.add_argument("--png", default=None, help="the plot (a sweep: default bench/load.png; --pool: only if given)")
+    ap.add_argument("--png", default=None, help="the plot (a sweep: default bench/load.png for the 8b pair, "
+                                                "bench/load-cpu.png on the CPU; --pool: only if given)")
     ap.add_argument("--pool", nargs="+", metavar="REPORT",
                     help="no measurement: the verdict of these reports' cells together (sweeps of one code)")
     args = ap.parse_args()

@@ -30,7 +30,7 @@ from app.runners.profile import profile_target
 from app.policy import (AcceptanceTracker, ModeArbiter, PlainHold, SpeculationPolicy, StepCandidate, StepExplorer,
                         StepMode, StepPlan)
 from app.policy.cost_model import breakeven_alpha
-from app.policy.step_mode import batch_bucket, forced_mode, mode_ks
+from app.policy.step_mode import forced_mode, mode_ks
 from app.policy.step_profile import StepProfile, seed_costs
 from app.policy.step_wall import StepWall
 from app.proposers import NgramProposer, Proposer
@@ -158,7 +158,7 @@ class TargetServer:
         self._build_step_policy(c, None)
         # this step's (mode, chosen by the arbiter, the batch's sequence ids), set in _plan_k
         self._step_mode: tuple[StepMode, bool, tuple[str, ...]] | None = None
-        self._breakeven: dict[int, tuple[float, float]] = {}  # batch bucket -> (when, acceptance), _pays_at_default_k
+        self._breakeven: dict[int, tuple[float, float]] = {}  # batch size -> (when, acceptance), _on_mode_drafts
         self.step_wall = StepWall()
         self._mode_steps = 0
         # speculative passes as this replica measures them: the whole pass (draft call + verify),
@@ -210,6 +210,7 @@ class TargetServer:
                 self._draft_profile_seeded = None
             self._build_step_policy(policy, old)
             self._step_mode, self._planned = None, None  # planned under the old parts
+            self._breakeven.clear()  # priced with the old costs and default k
         log.info("policy reconfigured from user_config%s", f" (rebuilt: {', '.join(rebuilt)})" if rebuilt else "")
 
     def live_config(self, route: ChannelRequest | None = None) -> dict:
@@ -226,13 +227,14 @@ class TargetServer:
             default_k = self.policy.config.default_k
             if not any(adaptive):
                 requested = [seq.k for seq in batch]
-                pays = self._pays_at_default_k(batch) if all(k == default_k for k in requested) else None
-                mode = forced_mode(requested, [seq.adaptive for seq in batch], default_k, pays)
+                on_drafts = all(k == default_k for k in requested) and self._on_mode_drafts(batch)
+                mode = forced_mode(requested, [seq.adaptive for seq in batch], default_k, on_drafts)
                 self._step_mode = (mode, False, ids) if mode is not None else None
                 return caps
             mode = self.arbiter.mode(len(batch))
             self._step_mode = (mode, True, ids)
-            ks = mode_ks(mode, caps, adaptive, default_k, self._pays_at_default_k(batch) if mode == "on" else None)
+            on_drafts = mode == "on" and self._on_mode_drafts([seq for seq, a in zip(batch, adaptive) if a], len(batch))
+            ks = mode_ks(mode, caps, adaptive, default_k, on_drafts)
             if ks is not None:
                 return ks
         if not any(caps):
@@ -262,22 +264,22 @@ class TargetServer:
         self._planned = (plan, candidates)  # its realized time is fed back in _on_step
         return plan.ks
 
-    def _pays_at_default_k(self, batch) -> list[bool]:
-        """Per sequence: would drafting the default k gain over plain decoding for it, in a batch of
-        this size drafting alike, at its own acceptance estimate (optimistic, as the planner's for
-        joining a drafting step)? The step mode 'on' drafts only these (app/policy/step_mode.py says
-        why). A batch bucket's break-even acceptance is a dozen cost-model queries: recomputed every
-        BREAKEVEN_PERIOD_S."""
+    def _on_mode_drafts(self, seqs, batch_size: int | None = None) -> bool:
+        """Does the step mode 'on' draft for this batch: is some sequence's acceptance estimate
+        (optimistic, as the planner's for joining a drafting step) at or above the break-even of the
+        default k in a batch of this size drafting alike (app/policy/step_mode.py says why)? The
+        break-even is a dozen cost-model queries: recomputed per batch size every BREAKEVEN_PERIOD_S."""
         c = self.policy.config
-        now, bucket = time.perf_counter(), batch_bucket(len(batch))
-        when, threshold = self._breakeven.get(bucket, (-math.inf, math.inf))
+        b = batch_size if batch_size is not None else len(seqs)
+        now = time.perf_counter()
+        when, threshold = self._breakeven.get(b, (-math.inf, math.inf))
         if now - when > BREAKEVEN_PERIOD_S:
-            threshold = breakeven_alpha(self.policy.costs, c.default_k, b=bucket)
-            self._breakeven[bucket] = (now, threshold)
+            threshold = breakeven_alpha(self.policy.costs, c.default_k, b=b)
+            self._breakeven[b] = (now, threshold)
         replica_alpha = self.policy.acceptance.alpha("default")
-        return [seq.stats.token_alpha_upper(seq.alpha_prior if seq.alpha_prior is not None else replica_alpha,
-                                            c.acceptance_optimism, c.sequence_prior_weight) >= threshold
-                for seq in batch]
+        return any(seq.stats.token_alpha_upper(seq.alpha_prior if seq.alpha_prior is not None else replica_alpha,
+                                               c.acceptance_optimism, c.sequence_prior_weight) >= threshold
+                   for seq in seqs)
 
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         with self._step_lock:

@@ -3,7 +3,7 @@
 The router calls `SpeculationPolicy.decide` per request; the target engine calls
 `SpeculationPolicy.plan_step` for its whole batch at every step and feeds `observe_*` back
 from what it measures. Above the planner, `ModeArbiter` runs each batch size in whichever mode
-(the planner, 'on' for the sequences whose acceptance pays, all 'off') measured the best goodput
+(the planner, all 'on' unless no acceptance pays, all 'off') measured the best goodput
 there (mode_arbiter.py).
 """
 

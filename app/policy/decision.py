@@ -167,8 +167,8 @@ class PolicyConfig(_Strict):
     costs: StepCostsConfig = Field(default_factory=StepCostsConfig, description="priors and host costs of the cost model")
     mode_arbiter: ModeArbiterConfig = Field(
         default_factory=ModeArbiterConfig,
-        description="per batch size, run adaptive sequences in the step mode (planner, 'on' at default_k for the "
-                    "sequences whose acceptance pays, all 'off') whose goodput the engine measured best, re-probing "
+        description="per batch size, run adaptive sequences in the step mode (planner, all 'on' at default_k unless no "
+                    "sequence's acceptance pays, all 'off') whose goodput the engine measured best, re-probing "
                     "the others (app/policy/mode_arbiter.py)")
 
     @model_validator(mode="after")

@@ -15,8 +15,8 @@ runs the batch's adaptive sequences in the best one (a load bucket is that of th
 the last `load_window_s`, see below):
 
 - `plan`: the step planner decides (its exploration, hold and depth choice included);
-- `on`:   every adaptive sequence whose acceptance makes the default k pay at the batch's size
-          drafts it (step_mode.py: under mixed traffic, the code drafts and the prose does not);
+- `on`:   every adaptive sequence drafts at the policy's default k, unless none of them has an
+          acceptance that pays at the batch's size (step_mode.py: a batch of prose stays plain);
 - `off`:  every adaptive sequence decodes plainly (what forced 'off' does).
 
 Each arm that is not the leader is re-measured by a short probe (at least `probe_min_steps`
@@ -81,8 +81,8 @@ pairings made 'off' the leader at 4 streams, where 'on' won by 26 %).
 
 The planner is stateful, the fixed modes are not: what it decides for a sequence depends on that
 sequence's history (the draft's catch-up owed for tokens decoded plainly, its own acceptance
-record, the plain hold). After an 'on' probe every sequence owes no catch-up and the planner drafts
-as 'on' does; after an 'off' probe each owes a second of tokens and it stays plain as 'off' does.
+record, the plain hold). After an 'on' probe that drafted every sequence owes no catch-up and the
+planner drafts as 'on' does; after an 'off' probe each owes a second of tokens and it stays plain as 'off' does.
 So a 'plan' window beside a probe measures the probe's mode again (at 8 streams 'on' paired at
 1.01 of the planner that way, the leader's windows around the probes ran at 400-510 tok/s against
 the planner's 370-420 elsewhere, and the cells gave 'on' 10 % more). A 'plan' step is therefore

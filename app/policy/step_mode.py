@@ -1,12 +1,16 @@
 """The step modes the mode arbiter chooses between ('plan': the step planner decides; 'on': every
-adaptive sequence whose acceptance makes drafting the default k pay at the batch's size drafts it;
-'off': every adaptive sequence decodes plainly), and how a batch of forced requests maps onto them.
+adaptive sequence drafts at the default k, unless none of them has an acceptance that makes drafting
+pay at the batch's size, and then none does; 'off': every adaptive sequence decodes plainly), and
+how a batch of forced requests maps onto them.
 
-Why 'on' leaves out the sequences whose acceptance cannot pay: under mixed traffic the
-arbiter's 'on' otherwise drafts every class, and a class whose acceptance never pays (prose at 0.13
-accepted per drafted token in the H100 sweep of bench/RESULTS.md section 7) spends draft and verify
-time in every 'on' step, so 'on' loses to 'off' and auto cannot have "speculate the code, not the
-prose" from a fixed mode; only the planner had it, and its choice rests on the cost model alone."""
+Why 'on' stands down when no sequence pays: under mixed traffic a batch of prose alone (0.13 accepted
+per drafted token in the H100 sweep of bench/RESULTS.md section 7) spends draft and verify time in
+every 'on' step for nothing, so 'on' lost to 'off' at every load and auto could not have "speculate
+the code, not the prose" from a fixed mode (at one stream a batch is one request). Why all draft once
+one pays: a pass is as wide as its widest row (ModelRunner.step pads every row to it), so a sequence
+that would not pay alone costs only its draft rows in a drafting step, and its accepted tokens come
+nearly free.
+"""
 
 from __future__ import annotations
 
@@ -25,26 +29,25 @@ def batch_bucket(batch_size: int) -> int:
 
 
 def forced_mode(requested_ks: list[int], adaptive: list[bool], default_k: int,
-                pays: list[bool] | None = None) -> StepMode | None:
+                on_drafts: bool = True) -> StepMode | None:
     """The mode a batch with no adaptive sequence measures: 'off' when every sequence asked for
-    no drafts, 'on' when every one asked for `default_k` (forced 'on') and every one would draft in
-    the 'on' mode (`pays`, None: all would), else None (a mix)."""
+    no drafts, 'on' when every one asked for `default_k` (forced 'on') and the 'on' mode would draft
+    for this batch (`on_drafts`), else None (a mix)."""
     if any(adaptive) or not requested_ks:
         return None
     if all(k == 0 for k in requested_ks):
         return "off"
-    if all(k == default_k for k in requested_ks) and (pays is None or all(pays)):
+    if all(k == default_k for k in requested_ks) and on_drafts:
         return "on"
     return None
 
 
 def mode_ks(mode: StepMode, caps: list[int], adaptive: list[bool], default_k: int,
-            pays: list[bool] | None = None) -> list[int] | None:
-    """Drafts per sequence for a fixed mode: adaptive sequences at `default_k` ('on', those whose
-    acceptance pays at this batch size: `pays`, None: all) or 0 ('off'), forced ones at their cap as
-    always; None for 'plan' (the planner decides)."""
+            on_drafts: bool = True) -> list[int] | None:
+    """Drafts per sequence for a fixed mode: adaptive sequences at `default_k` ('on', when some
+    sequence's acceptance pays: `on_drafts`) or 0 ('off', or 'on' when none pays), forced ones at
+    their cap as always; None for 'plan' (the planner decides)."""
     if mode == "plan":
         return None
-    drafts = pays if pays is not None else [True] * len(caps)
-    return [(min(cap, default_k) if mode == "on" and d else 0) if a else cap
-            for cap, a, d in zip(caps, adaptive, drafts)]
+    drafts = mode == "on" and on_drafts
+    return [(min(cap, default_k) if drafts else 0) if a else cap for cap, a in zip(caps, adaptive)]

@@ -75,9 +75,10 @@ class FastLlama:
         with block configs pinned from cold-weight timings (default; two rows always use it) or
         Inductor's, tuned by coordinate descent at each start, which made the 1B draft's step vary
         0.85-0.99 ms from start to start (bench/gpu_draft_step.py).
-        int8_few_rows: the kernel of a 3-8 row int8 matmul on CUDA (a branching draft's rows, a short
-        verify of an int8 target): app/runners/kernels/int8_gemv.py's few-row kernel (default), which reads each weight
-        once for all rows, or Inductor's written-out reduction, which made the 1B draft's forward over
+        int8_few_rows: the kernel of a 3-64 row int8 matmul on CUDA (a branching draft's rows, a batched
+        draft step, a short verify of an int8 target): app/runners/kernels/int8_gemv.py's few-row kernel
+        (default), which reads each weight once per 16 rows, or Inductor's written-out reduction (up to
+        GEMV_MAX_ROWS; more rows dequantise for cuBLAS), which made the 1B draft's forward over
         5 rows 2.61 ms against 1.49 (H200, bench.gpu_draft_step --rows-breakdown).
         decode_attention: a one-token step of 2+ sequences attends through `attention` (matmul: copies
         both caches per layer, see app/runners/kernels/rows_attention.py) or app/runners/kernels/rows_attention.py's kernel, which

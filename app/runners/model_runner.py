@@ -89,7 +89,10 @@ class ModelRunner:
         self.eos_ids: frozenset[int] = eos_ids(self.tokenizer, hf)
         cuda = self.device.type == "cuda"
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        in_place = cuda and rows_attention.supports(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+        # the in-place kernel's tl.dot rounds float32 to TF32: float32 (tests that compare outputs exactly)
+        # keeps the exact masked attention
+        in_place = cuda and spec.dtype != "float32" and rows_attention.supports(
+            cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
         # one row more than sequences: the scratch row that a batched prefill's padding writes into
         self.model = FastLlama(hf, max_batch=max_seqs + 1, max_len=self.max_context + MAX_WIDTH,
                                weights="int8" if spec.quantization == "int8" else "bf16",

@@ -71,7 +71,7 @@ def profile_target(runner: ModelRunner, widths: Iterable[int], *, repeats: int =
 
 
 def profile_draft(proposer: Proposer, vocab_size: int, batches: Sequence[int], depths: Iterable[int], *,
-                  repeats: int = 3, context: int = 32, sampling: SamplingParams | None = None) -> list[DraftTime]:
+                  repeats: int = 5, context: int = 32, sampling: SamplingParams | None = None) -> list[DraftTime]:
     """Seconds of one draft call for b sequences proposing k tokens each, at every (b, k): the first
     call of each point prefills (a catch-up) and captures its graph, the next `repeats` are timed, each
     sequence having accepted its proposals and gained the target's token (the one or two tokens a

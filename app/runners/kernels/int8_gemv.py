@@ -257,7 +257,8 @@ if AVAILABLE:
 # feeds 2 tokens each (the last proposal and the target's token), and past this limit its first pass
 # dequantised every weight for cuBLAS (5 bytes moved per weight instead of 1): the served 1B draft's
 # call at 8 sequences and depth 1 took 6.9 ms against 2.0 at 4 on an H100 (bench/RESULTS.md section 1).
-# With tl.dot blocks 9-16 rows are the same 16 padded rows as 3-8, so the same kernels serve them.
+# With tl.dot blocks 9-16 rows are the same 16 padded rows as 3-8, so the same kernels and pins serve
+# them (Triton may compile a variant for M = 16, a multiple of 16).
 MAX_ROWS = 16
 # Up to this many rows (a draft step of 32 sequences, 64 rows in its first pass) int8_gemv runs the
 # few-row kernels on chunks of MAX_ROWS rows: each chunk reads the weights once (2 bytes a weight at 32
@@ -312,7 +313,7 @@ H200_1B_SPLIT_K_UNALIGNED: dict[tuple[int, int, int], BlockConfig] = {
 # bench.gpu_split_k --search fma` then `--search aligned`, two runs on one H200, cold weights. 5 rows, µs,
 # against the unaligned pins: wqkv 6.15 -> 5.75-5.80, wo 5.42 -> 5.14, w_down 10.81 -> 8.60 (8 splits instead
 # of 4), w_gate_up 12.5 -> 12.0 (the split-K kernel unsplit, 64x256 blocks, against the few-row kernel's
-# 32x128). Pinned for 3-8 rows, and for 9-16 (the same compiled kernels: 16 padded rows; not timed there).
+# 32x128). Pinned for 3-8 rows, and for 9-16 (the same kernels on 16 padded rows; not timed there).
 # lm_head: 64x256 unsplit is within 1 % of the few-row pin at 4-6 rows (not pinned there), pinned at 3 and
 # 7-16. The fma form (_int8_fma_kernel) is 1.6-4x slower on every shape.
 H200_1B_SPLIT_K: dict[tuple[int, int, int], BlockConfig] = {
@@ -378,6 +379,8 @@ def _launch_split_k(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: to
     swap, aligned = "swap" in flags, "aligned" in flags
     grid = (triton.cdiv(N, block_n), split)
     if kind == "fma":  # no tensor cores, one accumulator per row; SPLIT_K > 1: the atomic epilogue
+        if M > 8:
+            raise ValueError(f"the fma form holds 8 rows' accumulators, got {M} rows")
         ws, counts = _workspace(q) if split > 1 else (y, y)
         _int8_fma_kernel[grid](x, q, scale, y, ws, counts, N, K, M, BLOCK_M=1 << (M - 1).bit_length(),
                                BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps)
@@ -401,6 +404,8 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tenso
     else the pinned one for the shape, else autotuned (unsplit)."""
     M, K = x.shape
     N = q.shape[0]
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"one launch takes 1..{MAX_ROWS} rows, got {M}: int8_gemv() chunks more")
     config = config or pinned_config(N, K, M)
     if config is None:
         kernel = _int8_gemv_kernel if M <= 2 else _int8_rows_autotuned if M <= 8 else _int8_many_rows_autotuned
