@@ -272,6 +272,7 @@ def _bare_target(request_timeout_s: float = 5.0):
     server._build_step_policy(server.policy.config, None)
     server._step_lock = threading.Lock()
     server._step_mode = server._planned = None
+    server._breakeven = {}
     server._streams, server._draining = 0, False
     return server
 
@@ -297,7 +298,9 @@ def test_target_reconfigure_swaps_only_changed_step_parts() -> None:
     server = _bare_target()
     server.loop = _FakeLoop()
     arbiter, hold = server.arbiter, server.hold
+    server._breakeven[4] = (0.0, 0.5)  # the 'on' mode's break-even, priced with the costs in force
     server.reconfigure({"policy": {"margin": 1.4, "explore_every_steps": 16, "explore_max_every_steps": 64}})
+    assert server._breakeven == {}
     assert server.policy.config.margin == 1.4
     assert server.explorer.every_steps == 16
     assert server.arbiter is arbiter and server.hold is hold  # their settings did not change
