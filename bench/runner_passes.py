@@ -33,26 +33,15 @@ from app.config import ModelSpec
 from app.protocol.sampling_params import SamplingParams
 from app.runners.model_runner import ModelRunner
 from app.spec.verify import RowToVerify, verify_batch
+from bench.gpu import timed
 from bench.serve_gpu import VOCAB, write_checkpoint
 
 PROMPT = 128
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up (a first replay, a first compiled shape)
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    timed(fn)  # warm-up (a first replay, a first compiled shape)
+    return 1e3 * statistics.median(timed(fn) for _ in range(repeats))
 
 
 def measure(runner: ModelRunner, batches: list[int], widths: list[int], repeats: int) -> list[dict]:
@@ -91,9 +80,9 @@ def measure(runner: ModelRunner, batches: list[int], widths: list[int], repeats:
                     runner.model.forward(tok, pos)
             # step first: it leaves this prompt's positions in the graph's input buffers (captured at
             # the cache's last positions, a replay before it would attend over the whole cache)
-            step_ms = _median_ms(step, repeats, runner.device)
-            point = {"batch": b, "width": w, "graph_ms": _median_ms(replay, repeats, runner.device),
-                     "step_ms": step_ms, "step_verify_ms": _median_ms(step_and_verify, repeats, runner.device)}
+            step_ms = _median_ms(step, repeats)
+            point = {"batch": b, "width": w, "graph_ms": _median_ms(replay, repeats),
+                     "step_ms": step_ms, "step_verify_ms": _median_ms(step_and_verify, repeats)}
             out.append(point)
             print(f"{b:>5} {w:>5} {point['graph_ms']:>9.3f} {point['step_ms']:>9.3f} {point['step_verify_ms']:>12.3f}",
                   flush=True)
@@ -121,7 +110,8 @@ def main() -> None:
         print(f"runner ready in {time.perf_counter() - t0:.1f}s; batch width graph_ms step_ms step+verify_ms")
         points = measure(runner, batches, widths, args.repeats)
     card = torch.cuda.get_device_name() if gpu else "cpu"
-    report = {"bench": "runner_passes", "card": card, "shape": args.shape, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    report = {"bench": "runner_passes", "card": card, "shape": args.shape,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "repeats": args.repeats, "points": points}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

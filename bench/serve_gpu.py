@@ -221,6 +221,11 @@ def spying(folder: Path | None, tag: str) -> Iterator[None]:
             proc.wait(timeout=30)
 
 
+def pass_share(parts: dict, key: str) -> float:
+    """A part's share of the speculative passes in a TargetServer.pass_report (`draft_s`, `exchange_s`)."""
+    return parts[key] / max(parts["pass_s"], 1e-9)
+
+
 def step_breakdown(steps: dict) -> dict:
     """The target replica's engine steps of a level: mean batch and milliseconds per step by phase."""
     n = max(steps["steps"], 1)
@@ -265,10 +270,11 @@ def markdown(res: dict) -> str:
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["speculative"]:
         on_demand = r.get("on_demand_exchange_share")
+        on_demand_text = "" if on_demand is None else f" ({on_demand * 100:.2f} %)"
         lines.append(f"| {r['alpha']} | {r['k']} | {r['streams']} | {f(r['tok_s'])} | {f(r['over_plain'], 2)} | "
                      f"{f(r['acceptance'], 2)} | {f(r['tokens_per_pass'], 2)} | {f(r['pass_ms'], 2)} | "
                      f"{f(r['draft_share'] * 100)} % | {f(r['exchange_share'] * 100, 2)} % | "
-                     f"{f(r.get('ahead_over_on_demand'), 2)}{'' if on_demand is None else f' ({on_demand * 100:.2f} %)'} |")
+                     f"{f(r.get('ahead_over_on_demand'), 2)}{on_demand_text} |")
     return "\n".join(lines)
 
 
@@ -363,8 +369,8 @@ def main() -> None:
                 row, results = run_level(port, prompts, streams, per_stream, False, "on", ks[alpha], args.max_tokens)
             parts = target_handle.pass_report.remote().result()
             row["engine_steps"] = step_breakdown(parts["steps"])
-            row.update(alpha=alpha, exchange_share=parts["exchange_s"] / max(parts["pass_s"], 1e-9),
-                       draft_share=parts["draft_s"] / max(parts["pass_s"], 1e-9),
+            row.update(alpha=alpha, exchange_share=pass_share(parts, "exchange_s"),
+                       draft_share=pass_share(parts, "draft_s"),
                        pass_ms=parts["pass_s"] / max(parts["passes"], 1) * 1e3, passes=parts["passes"],
                        tokens_per_pass=sum(len(r.tokens) for r in results) / max(parts["passes"], 1),
                        acceptance=sum(r.accepted for r in results) / max(1, sum(r.drafted for r in results)),
@@ -383,7 +389,7 @@ def main() -> None:
         ahead["ahead_over_on_demand"] = ahead["tok_s"] / row["tok_s"]
         # a call made on the engine's thread: its hop has no wait for the GIL behind the engine's host
         # work, which a call sent ahead (on its helper thread) counts in its exchange
-        ahead["on_demand_exchange_share"] = parts["exchange_s"] / max(parts["pass_s"], 1e-9)
+        ahead["on_demand_exchange_share"] = pass_share(parts, "exchange_s")
         print(json.dumps({"alpha": alpha, "streams": first, "on_demand_tok_s": row["tok_s"],
                           "ahead_over_on_demand": ahead["ahead_over_on_demand"]}), flush=True)
     # outputs under speculation equal plain greedy's (same prompt, same tokens)

@@ -227,13 +227,13 @@ class TargetServer:
             default_k = self.policy.config.default_k
             if not any(adaptive):
                 requested = [seq.k for seq in batch]
-                on_drafts = all(k == default_k for k in requested) and self._on_mode_drafts(batch)
+                on_drafts = all(k == default_k for k in requested) and self._on_mode_drafts(batch, len(batch))
                 mode = forced_mode(requested, [seq.adaptive for seq in batch], default_k, on_drafts)
                 self._step_mode = (mode, False, ids) if mode is not None else None
                 return caps
             mode = self.arbiter.mode(len(batch))
             self._step_mode = (mode, True, ids)
-            on_drafts = mode == "on" and self._on_mode_drafts([seq for seq, a in zip(batch, adaptive) if a], len(batch))
+            on_drafts = mode == "on" and self._on_mode_drafts([s for s, a in zip(batch, adaptive) if a], len(batch))
             ks = mode_ks(mode, caps, adaptive, default_k, on_drafts)
             if ks is not None:
                 return ks
@@ -245,17 +245,14 @@ class TargetServer:
             return [0] * len(caps)
         replica_alpha = self.policy.acceptance.alpha("default")
         proposer, costs = self.engine.proposer, self.policy.costs
-        z, weight = self.policy.config.acceptance_optimism, self.policy.config.sequence_prior_weight
         candidates = []
         for seq, cap in zip(batch, caps):
-            # this sequence's own acceptance, shrunk towards its prompt class's (router) or the
-            # replica's; optimistic by z standard deviations for whether it drafts (token_alpha_upper)
-            prior = seq.alpha_prior if seq.alpha_prior is not None else replica_alpha
+            alpha, alpha_upper = self._acceptance(seq, replica_alpha)
             candidates.append(StepCandidate(
-                cap, seq.stats.token_alpha(prior, weight), seq.adaptive,
+                cap, alpha, seq.adaptive,
                 catch_up_s=costs.t_draft_prefill(proposer.catch_up_tokens(seq.seq_id, seq.token_ids))
                 if proposer is not None and cap else 0.0,
-                remaining=seq.remaining, alpha_upper=seq.stats.token_alpha_upper(prior, z, weight)))
+                remaining=seq.remaining, alpha_upper=alpha_upper))
         explore_k = self.explorer.explore_k(len(candidates)) if self.explorer is not None else None
         plan = self.policy.plan_step(candidates, explore_k=explore_k)
         if self.explorer is not None:
@@ -264,22 +261,27 @@ class TargetServer:
         self._planned = (plan, candidates)  # its realized time is fed back in _on_step
         return plan.ks
 
-    def _on_mode_drafts(self, seqs, batch_size: int | None = None) -> bool:
-        """Does the step mode 'on' draft for this batch: is some sequence's acceptance estimate
-        (optimistic, as the planner's for joining a drafting step) at or above the break-even of the
-        default k in a batch of this size drafting alike (app/policy/step_mode.py says why)? The
-        break-even is a dozen cost-model queries: recomputed per batch size every BREAKEVEN_PERIOD_S."""
+    def _acceptance(self, seq, replica_alpha: float) -> tuple[float, float]:
+        """The sequence's own acceptance, shrunk towards its prompt class's (router) or the replica's,
+        and the same made optimistic by acceptance_optimism standard deviations (token_alpha_upper):
+        the latter decides whether it drafts."""
         c = self.policy.config
-        b = batch_size if batch_size is not None else len(seqs)
+        prior = seq.alpha_prior if seq.alpha_prior is not None else replica_alpha
+        return (seq.stats.token_alpha(prior, c.sequence_prior_weight),
+                seq.stats.token_alpha_upper(prior, c.acceptance_optimism, c.sequence_prior_weight))
+
+    def _on_mode_drafts(self, seqs, batch_size: int) -> bool:
+        """Does the step mode 'on' draft for this batch of `batch_size`: is some sequence's optimistic
+        acceptance at or above the break-even of the default k in a batch of this size drafting alike
+        (app/policy/step_mode.py says why)? The break-even is a dozen cost-model queries: recomputed
+        per batch size every BREAKEVEN_PERIOD_S."""
         now = time.perf_counter()
-        when, threshold = self._breakeven.get(b, (-math.inf, math.inf))
+        when, threshold = self._breakeven.get(batch_size, (-math.inf, math.inf))
         if now - when > BREAKEVEN_PERIOD_S:
-            threshold = breakeven_alpha(self.policy.costs, c.default_k, b=b)
-            self._breakeven[b] = (now, threshold)
+            threshold = breakeven_alpha(self.policy.costs, self.policy.config.default_k, b=batch_size)
+            self._breakeven[batch_size] = (now, threshold)
         replica_alpha = self.policy.acceptance.alpha("default")
-        return any(seq.stats.token_alpha_upper(seq.alpha_prior if seq.alpha_prior is not None else replica_alpha,
-                                               c.acceptance_optimism, c.sequence_prior_weight) >= threshold
-                   for seq in seqs)
+        return any(self._acceptance(seq, replica_alpha)[1] >= threshold for seq in seqs)
 
     def _on_step(self, engine: SpecEngine, updates, seconds: float) -> None:
         with self._step_lock:

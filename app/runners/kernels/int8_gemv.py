@@ -101,12 +101,13 @@ if AVAILABLE:
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], (acc * s[None, :]).to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-    _int8_rows_autotuned = triton.autotune(configs=_ROWS_CONFIGS, key=["N", "K", "M"])(
-        triton.heuristics({"BLOCK_M": lambda a: rows_block(a["M"], a["BLOCK_N"])})(_int8_rows_body))
+    def _rows_autotuned(configs: list) -> object:
+        return triton.autotune(configs=configs, key=["N", "K", "M"])(
+            triton.heuristics({"BLOCK_M": lambda a: rows_block(a["M"], a["BLOCK_N"])})(_int8_rows_body))
+
+    _int8_rows_autotuned = _rows_autotuned(_ROWS_CONFIGS)
     # past 8 rows only tl.dot blocks: a thin block's [BLOCK_M, BLOCK_N, BLOCK_K] product would hold 16 rows
-    _int8_many_rows_autotuned = triton.autotune(configs=[c for c in _ROWS_CONFIGS if c.kwargs["BLOCK_N"] >= 16],
-                                                key=["N", "K", "M"])(
-        triton.heuristics({"BLOCK_M": lambda a: rows_block(a["M"], a["BLOCK_N"])})(_int8_rows_body))
+    _int8_many_rows_autotuned = _rows_autotuned([c for c in _ROWS_CONFIGS if c.kwargs["BLOCK_N"] >= 16])
 
     @triton.jit
     def _int8_split_k_kernel(x_ptr, q_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, BLOCK_M: tl.constexpr,
